@@ -1,0 +1,1 @@
+"""Ops (torch.library) and their Triton kernels, each beside its torch reference."""

@@ -1,0 +1,1 @@
+"""Graph passes of the comera backend, one per file."""

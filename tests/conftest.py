@@ -1,0 +1,23 @@
+import os
+
+# Kernels run under the Triton interpreter on machines without a GPU. The variable is read when
+# @triton.jit decorates, so it must be set before any kernel module is imported.
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _has_cuda = False
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts from a clean Dynamo cache (torchao habit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
