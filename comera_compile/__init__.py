@@ -1,5 +1,62 @@
-"""comera-compile: a torch.compile backend for tensor-compressed training."""
+"""comera-compile: a torch.compile backend for tensor-compressed training.
+
+``torch.compile(model, backend="comera")`` rewrites the costly patterns of a training graph (the
+LM head + cross-entropy, tensor-train Linear/Embedding layers) into fused ops with Triton kernels,
+then hands the graph to Inductor.
+"""
 
 from comera_compile._layout import install_checkout_finder as _install_checkout_finder
 
 _install_checkout_finder()
+
+from comera_compile._logging import logger  # noqa: E402
+from comera_compile.backend import comera_backend  # noqa: E402
+from comera_compile.explain import explain  # noqa: E402
+from comera_compile.options import CompileOptions, OptionsError  # noqa: E402
+from comera_compile.pass_manager import PassContext, list_passes, register_pass, unregister_pass  # noqa: E402
+from comera_compile.report import Report, RewriteRecord, SkipRecord  # noqa: E402
+from comera_compile.fx_utils import RewriteRejected, checked_replace  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileOptions",
+    "OptionsError",
+    "PassContext",
+    "Report",
+    "RewriteRecord",
+    "RewriteRejected",
+    "SkipRecord",
+    "checked_replace",
+    "comera_backend",
+    "compile",
+    "explain",
+    "list_passes",
+    "logger",
+    "register_pass",
+    "unregister_pass",
+]
+
+
+def compile(model, *, options=None, mode=None, **compile_kwargs):
+    """``torch.compile(model, backend="comera", ...)`` with the options validated right away."""
+    import torch
+
+    CompileOptions.from_user(options, mode)
+    return torch.compile(model, backend="comera", options=options or None, mode=mode, **compile_kwargs)
+
+
+def _register_fallback() -> None:
+    """Register the backend for source checkouts, where no entry point exists.
+
+    An unconditional ``register_backend(name="comera")`` breaks the entry-point path with
+    ``AssertionError: duplicate name`` (ENGINEERING.md): register only when the name is unknown.
+    """
+    import torch._dynamo
+    from torch._dynamo.backends.registry import register_backend
+
+    if "comera" not in torch._dynamo.list_backends(exclude_tags=()):
+        register_backend(compiler_fn=comera_backend, name="comera")
+
+
+_register_fallback()

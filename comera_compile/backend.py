@@ -1,0 +1,82 @@
+"""The ``comera`` backend: rewrite the Dynamo graph with our passes, then hand it to an inner compiler.
+
+``torch.compile(model, backend="comera", options={...})`` finds this function through the
+``torch_dynamo_backends`` entry point (or the guarded fallback registration in ``__init__``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from comera_compile._logging import logger
+from comera_compile.options import CompileOptions, OptionsError
+from comera_compile.pass_manager import PassContext, run_passes
+from comera_compile.report import GraphReport, active_report
+
+_graph_counter = 0
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    try:
+        return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    except TypeError:  # older signatures
+        return gm.print_readable(print_output=False)
+
+
+def comera_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any = None,
+                   mode: str | None = None, **unexpected: Any) -> Callable:
+    """Dynamo backend entry point. See :class:`comera_compile.CompileOptions` for ``options``."""
+    if unexpected:
+        raise OptionsError(f"the comera backend got unexpected argument(s) {sorted(unexpected)}; "
+                           "it takes options= (a dict of CompileOptions keys) or mode=")
+    opts = CompileOptions.from_user(options, mode)
+    return _compile(gm, example_inputs, opts)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
+    global _graph_counter
+    collector = active_report()
+    index = len(collector.graph_reports) if collector is not None else _graph_counter
+    _graph_counter += 1
+    report = GraphReport(index=index)
+    if collector is not None:
+        report.before = _readable(gm)
+    ctx = PassContext(options=opts, training=torch.is_grad_enabled(), report=report,
+                      example_inputs=list(example_inputs))
+    n = run_passes(gm, ctx)
+    logger.info("graph %d: %d rewrite(s), %d candidate(s) left alone; inner compiler %s",
+                index, n, len(report.skipped), opts.inner)
+    if collector is not None:
+        report.after = _readable(gm)
+        report.gm = gm
+        collector.graph_reports.append(report)
+    return compile_inner(gm, example_inputs, opts)
+
+
+def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
+    """Hand the rewritten graph to the inner compiler."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    cudagraphs = opts.cudagraphs and torch.cuda.is_available()
+    if opts.cudagraphs and not cudagraphs:
+        logger.info("cudagraphs requested but CUDA is not available: running without CUDA graphs")
+    if opts.inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        from comera_compile.cache import inductor_config_patches
+
+        patches = dict(opts.inductor_config)
+        if cudagraphs:
+            patches["triton.cudagraphs"] = True
+        if opts.max_autotune:
+            patches.setdefault("max_autotune", True)
+        return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(patches))
+    if cudagraphs:
+        # aot_eager / eager + CUDA graphs: Dynamo's AOT-autograd cudagraphs backend.
+        return lookup_backend("cudagraphs")(gm, example_inputs)
+    if opts.inner == "aot_eager":
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    return gm.forward

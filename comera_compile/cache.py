@@ -1,0 +1,70 @@
+"""Cache safety: Inductor's on-disk caches must never serve a graph built by older code of ours.
+
+The AOTAutograd / FX graph caches key on the rewritten graph, not on our ops' Python fake,
+autograd or kernel code (ENGINEERING.md). A no-op ``CustomGraphPass`` whose ``uuid()`` hashes
+this package's sources enters Inductor's cache key, so any change to them changes the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """sha256 over every ``.py`` file of comera_compile (passes and kernels included)."""
+    import comera_compile
+    import comera_compile.kernels
+    import comera_compile.passes
+
+    digest = hashlib.sha256()
+    roots = sorted({os.path.dirname(m.__file__) for m in (comera_compile, comera_compile.passes,
+                                                          comera_compile.kernels)})
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    digest.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        digest.update(f.read())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()
+
+
+class SourceKeyedPass(CustomGraphPass):
+    """A post-grad pass that runs ``inner`` (a user's pass, if any) and keys the cache on our code."""
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> Any:
+        inner_uuid = None
+        if self.inner is not None:
+            inner_uuid = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+            if inner_uuid is None:  # an un-keyed user pass: make the graph uncacheable, as Inductor does
+                return None
+        return ("comera_compile", source_fingerprint(), inner_uuid)
+
+
+def inductor_config_patches(user_patches: dict[str, Any]) -> dict[str, Any]:
+    """Config patches for ``compile_fx`` that add our cache key (composed with a user's pass)."""
+    from torch._inductor import config as inductor_config
+
+    patches = dict(user_patches)
+    existing = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+    if isinstance(existing, SourceKeyedPass):
+        existing = existing.inner
+    patches["post_grad_custom_post_pass"] = SourceKeyedPass(existing)
+    return patches

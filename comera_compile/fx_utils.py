@@ -1,0 +1,169 @@
+"""Helpers that passes share: module names, fake values, subgraphs, checked replacement."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_BRACKET = re.compile(r"\._modules\['([^']*)'\]|\['([^']*)'\]")
+
+
+class RewriteRejected(RuntimeError):
+    """A replacement whose fake output does not match the original's; the rewrite is not made."""
+
+
+def clean_module_name(name: str) -> str:
+    """``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` -> ``"layers.0.mlp"`` / ``"h"``."""
+    name = _PREFIX.sub("", name)
+    name = _BRACKET.sub(lambda m: "." + (m.group(1) or m.group(2)), name)
+    name = re.sub(r"\[(\d+)\]", r".\1", name)
+    return name.strip(".")
+
+
+def module_name(node: fx.Node) -> str | None:
+    """The fully qualified name of the innermost ``nn.Module`` that produced ``node``."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        qualname = list(stack.values())[-1][0]
+        return clean_module_name(qualname) or None
+    return None
+
+
+def source_name(node: fx.Node) -> str | None:
+    """For a placeholder that is a parameter or buffer: its name in the model (``"lm_head.weight"``)."""
+    grapharg = node.meta.get("grapharg")
+    if grapharg is None:
+        return None
+    try:
+        name = grapharg.source.name() if callable(grapharg.source.name) else grapharg.source.name
+    except Exception:
+        return None
+    name = clean_module_name(name)
+    return re.sub(r"_(parameters|buffers)\.", "", name.replace("._parameters", "").replace("._buffers", "")) or None
+
+
+def fake(node: Any) -> Any:
+    """The fake value recorded for a node (Dynamo's ``example_value`` or AOT's ``val``)."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def iter_graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[str, fx.GraphModule]]:
+    """The graph and every nested higher-order-op subgraph (checkpoint bodies, cond branches...)."""
+    yield prefix, gm
+    for name, sub in gm.named_children():
+        if isinstance(sub, fx.GraphModule):
+            yield from iter_graph_modules(sub, f"{prefix}.{name}" if prefix else name)
+
+
+def _fake_mode(values: Sequence[Any]):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(values)
+
+
+def fake_call(target: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run ``target`` on the fake values of ``args``/``kwargs`` (nodes replaced by their fakes)."""
+    fargs = tree_map(fake, args)
+    fkwargs = tree_map(fake, kwargs)
+    flat = [v for v in torch.utils._pytree.tree_leaves((fargs, fkwargs)) if isinstance(v, torch.Tensor)]
+    mode = _fake_mode(flat)
+    if mode is None:
+        raise RewriteRejected("no fake tensor mode found on the inputs")
+    with mode:
+        return target(*fargs, **fkwargs)
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        ea = a.node.expr if isinstance(a, torch.SymInt) else a
+        eb = b.node.expr if isinstance(b, torch.SymInt) else b
+        return str(ea) == str(eb)  # structural; never installs a guard
+    return int(a) == int(b)
+
+
+def same_meta(new: Any, old: Any) -> str | None:
+    """``None`` when ``new`` and ``old`` have the same shape and dtype, else what differs."""
+    if isinstance(old, torch.Tensor) != isinstance(new, torch.Tensor):
+        return f"produces {type(new).__name__}, expected {type(old).__name__}"
+    if not isinstance(old, torch.Tensor):
+        return None
+    if new.dtype != old.dtype:
+        return f"dtype {new.dtype} != {old.dtype}"
+    if new.dim() != old.dim() or not all(_same_size(a, b) for a, b in zip(new.shape, old.shape)):
+        return f"shape {tuple(new.shape)} != {tuple(old.shape)}"
+    return None
+
+
+def checked_replace(old: fx.Node, new: fx.Node, erase: Sequence[fx.Node] = ()) -> None:
+    """Replace ``old`` by ``new`` after checking the fake output of ``new`` against ``old``.
+
+    ``new`` (and any nodes it was built from) must already be in the graph. Its fake value is
+    computed from its inputs' fake values; on a shape or dtype mismatch the new nodes are removed
+    and :class:`RewriteRejected` is raised, leaving the graph as it was.
+    ``erase`` lists nodes of the matched pattern to remove once they have no users.
+    """
+    graph = old.graph
+    expected = fake(old)
+    created = _new_nodes_feeding(new, old)
+    try:
+        for node in created:  # topological order
+            node.meta["example_value"] = fake_call(node.target, node.args, node.kwargs)
+        problem = same_meta(fake(new), expected) if expected is not None else None
+    except RewriteRejected:
+        _erase_all(graph, created)
+        raise
+    except Exception as exc:  # the replacement does not even trace: reject it
+        _erase_all(graph, created)
+        raise RewriteRejected(f"replacement failed on fake inputs: {exc}") from exc
+    if problem is not None:
+        _erase_all(graph, created)
+        raise RewriteRejected(f"replacement output differs from the original: {problem}")
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in old.meta:
+            for node in created:
+                node.meta.setdefault(key, old.meta[key])
+    old.replace_all_uses_with(new)
+    erase_unused([old, *erase])
+
+
+def _new_nodes_feeding(new: fx.Node, old: fx.Node) -> list[fx.Node]:
+    """Nodes without a fake value that feed ``new`` (the freshly built replacement), in order."""
+    seen: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def visit(node: fx.Node) -> None:
+        if node in seen or node is old or fake(node) is not None and node is not new:
+            return
+        seen.add(node)
+        for inp in node.all_input_nodes:
+            visit(inp)
+        order.append(node)
+
+    visit(new)
+    return order
+
+
+def _erase_all(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    for node in reversed(nodes):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def erase_unused(nodes: Sequence[fx.Node]) -> None:
+    """Erase those of ``nodes`` that have no users (repeatedly: erasing one can free another)."""
+    remaining = [n for n in dict.fromkeys(nodes) if n.op not in ("placeholder", "output")]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(remaining):
+            if not node.users:
+                node.graph.erase_node(node)
+                remaining.remove(node)
+                changed = True

@@ -1,0 +1,119 @@
+"""The backend's options: one typed, validated dataclass.
+
+``torch.compile(model, backend="comera", options={...})`` hands the dict to the backend; it is
+validated into :class:`CompileOptions` before any pass runs or the inner compiler traces.
+``comera_compile.CompileOptions(**d)`` (or :func:`comera_compile.compile`) validates eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CCE_BACKWARD = ("filtered", "exact")
+
+
+class OptionsError(ValueError):
+    """A bad option key or value given to the comera backend."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of the ``comera`` backend.
+
+    Attributes:
+        inner: the compiler that receives the rewritten graph: ``"inductor"`` (default),
+            ``"aot_eager"`` or ``"eager"``.
+        passes: switch passes on or off by name, e.g. ``{"cce": False}``. Unnamed passes keep their
+            default (built-in and registered passes are on).
+        strict: re-raise an error from a pass instead of rolling the pass back with a warning.
+        cudagraphs: run the compiled graph under CUDA graphs (``mode="reduce-overhead"`` sets it).
+        max_autotune: Inductor's max-autotune (``mode="max-autotune"`` sets it).
+        cce_backward: ``"filtered"`` skips vocabulary blocks whose softmax is below
+            ``cce_filter_eps`` in the backward (Cut-Cross-Entropy); ``"exact"`` never skips.
+        cce_filter_eps: the filtering threshold; ``None`` picks the kernel default (2**-12).
+        cce_deterministic: a backward whose result does not depend on atomics order.
+        cce_min_vocab: fuse the LM head only when the vocabulary has at least this many entries.
+        inductor_config: extra Inductor config patches, passed through unchanged.
+    """
+
+    inner: str = "inductor"
+    passes: Mapping[str, bool] = field(default_factory=dict)
+    strict: bool = False
+    cudagraphs: bool = False
+    max_autotune: bool = False
+    cce_backward: str = "filtered"
+    cce_filter_eps: float | None = None
+    cce_deterministic: bool = False
+    cce_min_vocab: int = 0
+    inductor_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_choice("inner", self.inner, INNER_COMPILERS)
+        _check_choice("cce_backward", self.cce_backward, CCE_BACKWARD)
+        for name in ("strict", "cudagraphs", "max_autotune", "cce_deterministic"):
+            _check_type(name, getattr(self, name), bool, "a bool")
+        if self.cce_filter_eps is not None:
+            _check_type("cce_filter_eps", self.cce_filter_eps, (int, float), "a float or None")
+            if not 0.0 <= float(self.cce_filter_eps) < 1.0:
+                raise OptionsError(f"option 'cce_filter_eps' must be in [0, 1); got {self.cce_filter_eps!r}")
+        _check_type("cce_min_vocab", self.cce_min_vocab, int, "an int")
+        if self.cce_min_vocab < 0:
+            raise OptionsError(f"option 'cce_min_vocab' must be >= 0; got {self.cce_min_vocab}")
+        _check_type("passes", self.passes, Mapping, "a dict of pass name -> bool")
+        for key, value in self.passes.items():
+            if not isinstance(key, str) or not isinstance(value, bool):
+                raise OptionsError(
+                    f"option 'passes' maps pass names to True/False; got {key!r}: {value!r}"
+                )
+        _check_type("inductor_config", self.inductor_config, Mapping, "a dict of Inductor config patches")
+        object.__setattr__(self, "passes", dict(self.passes))
+        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_user(cls, options: Mapping[str, Any] | "CompileOptions" | None = None,
+                  mode: str | None = None) -> "CompileOptions":
+        """Validate what ``torch.compile`` hands the backend (``options=`` or ``mode=``)."""
+        if isinstance(options, CompileOptions):
+            opts = options
+        elif options is None:
+            opts = cls()
+        elif isinstance(options, Mapping):
+            unknown = sorted(set(options) - set(cls.keys()))
+            if unknown:
+                raise OptionsError(
+                    f"unknown comera option(s) {unknown}; valid keys: {cls.keys()}"
+                )
+            opts = cls(**options)
+        else:
+            raise OptionsError(f"options must be a dict or CompileOptions; got {type(options).__name__}")
+        if mode is None or mode == "default":
+            return opts
+        _check_choice("mode", mode, MODES)
+        return dataclasses.replace(
+            opts,
+            cudagraphs=opts.cudagraphs or mode in ("reduce-overhead", "max-autotune"),
+            max_autotune=opts.max_autotune or mode.startswith("max-autotune"),
+        )
+
+    def pass_enabled(self, name: str, default: bool = True) -> bool:
+        return self.passes.get(name, default)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise OptionsError(f"option {name!r} got {value!r}; valid values: {list(choices)}")
+
+
+def _check_type(name: str, value: Any, types: Any, what: str) -> None:
+    if isinstance(value, bool) and types in (int, (int, float)):
+        raise OptionsError(f"option {name!r} must be {what}; got {value!r}")
+    if not isinstance(value, types):
+        raise OptionsError(f"option {name!r} must be {what}; got {value!r} ({type(value).__name__})")
