@@ -1,0 +1,635 @@
+"""Tensor-train (TT) and TT-matrix (TTM) formats as pure functions.
+
+The layout contract is in DESIGN.md ("Tensor-train formats"). In short, a TT layer stores a matrix
+``M`` of logical shape ``[rows, cols]`` padded to ``[prod(row_modes), prod(col_modes)]``:
+
+* ``"tt"``: cores ``[r_{k-1}, n_k, r_k]`` with ``n = row_modes + col_modes`` (CoMERA's linear format:
+  input modes first, then output modes, so ``M = L @ R`` through the middle bond);
+* ``"ttm"``: cores ``[r_{k-1}, m_k, n_k, r_k]``, row index ``(i_1..i_d)`` and column index
+  ``(o_1..o_d)`` both row-major;
+* one gate vector per internal bond, multiplied between core ``k`` and core ``k+1``.
+
+Both formats are handled here as one *chain* of 3-D cores ``[r_{k-1}, s_k, r_k]`` (``s_k = n_k`` for
+TT, ``s_k = m_k * n_k`` for TTM); only the index permutation at the end differs.
+
+Everything here is shape arithmetic or plain torch; the marker op ``comera::tt_materialize``
+(kernels/tt_materialize.py) calls :func:`materialize` and :func:`materialize_vjp`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import sympy
+import torch
+
+FORMATS = ("tt", "ttm")
+
+__all__ = [
+    "FORMATS",
+    "TTSpec",
+    "arrange_modes",
+    "cap_ranks",
+    "core_shapes",
+    "core_sizes",
+    "count_params",
+    "default_n_modes",
+    "factorize",
+    "materialize",
+    "materialize_vjp",
+    "normalize_ranks",
+    "random_cores",
+    "rank_bounds",
+    "spec_from_cores",
+    "tt_svd",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _prod(xs: Sequence[int]) -> int:
+    return math.prod(int(x) for x in xs)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def core_sizes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[int, ...]:
+    """The chain mode ``s_k`` of every core: ``n_k`` for TT, ``m_k * n_k`` for TTM."""
+    if fmt == "tt":
+        return tuple(row_modes) + tuple(col_modes)
+    return tuple(m * n for m, n in zip(row_modes, col_modes))
+
+
+def rank_bounds(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Largest useful rank of each bond (ends included): a bond never exceeds the product of the
+    chain modes on either side of it, since a larger rank adds parameters but no expressiveness."""
+    d = len(sizes)
+    return tuple(min(_prod(sizes[:k]), _prod(sizes[k:])) for k in range(d + 1))
+
+
+def normalize_ranks(rank: int | Sequence[int], n_cores: int) -> tuple[int, ...]:
+    """Full rank tuple ``(1, r_1, ..., r_{d-1}, 1)`` from an int or a per-bond list.
+
+    A list has either ``d - 1`` entries (one per internal bond) or ``d + 1`` entries with 1 at both
+    ends (CoMERA's spelling, e.g. ``[1, 12, 30, 30, 30, 12, 1]``). Raises ValueError otherwise.
+    """
+    inner = n_cores - 1
+    if _is_int(rank):
+        if rank < 1:
+            raise ValueError(f"rank must be a positive int, got {rank}")
+        return (1,) + (rank,) * inner + (1,)
+    try:
+        values = list(rank)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"rank must be a positive int or a list of ints, got {type(rank).__name__}"
+        ) from None
+    if not all(_is_int(v) for v in values):
+        raise ValueError(f"rank list must hold ints, got {values}")
+    if len(values) == inner + 2:
+        if values[0] != 1 or values[-1] != 1:
+            raise ValueError(
+                f"a rank list of length {inner + 2} must start and end with 1, got {values}"
+            )
+        values = values[1:-1]
+    elif len(values) != inner:
+        raise ValueError(
+            f"rank list must have {inner} entries (one per internal bond of {n_cores} cores) "
+            f"or {inner + 2} with 1 at both ends; got {len(values)}: {values}"
+        )
+    if any(v < 1 for v in values):
+        raise ValueError(f"ranks must be positive, got {values}")
+    return (1,) + tuple(values) + (1,)
+
+
+def cap_ranks(sizes: Sequence[int], ranks: Sequence[int]) -> tuple[int, ...]:
+    """Clip each bond rank to :func:`rank_bounds`."""
+    return tuple(min(int(r), b) for r, b in zip(ranks, rank_bounds(sizes)))
+
+
+def core_shapes(
+    fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Shape of every core: ``[r, n, r]`` for TT, ``[r, m, n, r]`` for TTM."""
+    if fmt == "tt":
+        modes = tuple(row_modes) + tuple(col_modes)
+        return tuple((ranks[k], modes[k], ranks[k + 1]) for k in range(len(modes)))
+    return tuple(
+        (ranks[k], row_modes[k], col_modes[k], ranks[k + 1]) for k in range(len(row_modes))
+    )
+
+
+def count_params(shapes: Sequence[Sequence[int]], include_gates: bool = True) -> int:
+    """Parameters of a TT layer: every core's full volume (3-D and 4-D alike), plus the gates
+    (one per internal bond, as long as the bond) when ``include_gates``."""
+    total = sum(_prod(s) for s in shapes)
+    if include_gates:
+        total += sum(s[-1] for s in shapes[:-1])
+    return total
+
+
+@dataclass(frozen=True)
+class TTSpec:
+    """A TT layer's layout; the metadata of ``comera::tt_materialize`` plus the ranks.
+
+    ``ranks`` has ``n_cores + 1`` entries with 1 at both ends. ``rows``/``cols`` is the logical
+    matrix; ``transpose`` says the layer's weight is ``M.T`` (nn.Linear: rows = in, cols = out).
+    """
+
+    fmt: str
+    row_modes: tuple[int, ...]
+    col_modes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    rows: int
+    cols: int
+    transpose: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("row_modes", "col_modes", "ranks"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if not self.row_modes or not self.col_modes:
+            raise ValueError("row_modes and col_modes must each have at least one mode")
+        if any(m < 1 for m in self.row_modes + self.col_modes):
+            raise ValueError(f"modes must be positive: {list(self.row_modes)}, {list(self.col_modes)}")
+        if self.fmt == "ttm" and len(self.row_modes) != len(self.col_modes):
+            raise ValueError(
+                "the TT-matrix format needs as many row modes as column modes, got "
+                f"{list(self.row_modes)} and {list(self.col_modes)}"
+            )
+        if _prod(self.row_modes) < self.rows or _prod(self.col_modes) < self.cols:
+            raise ValueError(
+                f"modes {list(self.row_modes)} x {list(self.col_modes)} cover "
+                f"{_prod(self.row_modes)} x {_prod(self.col_modes)}, less than the matrix "
+                f"{self.rows} x {self.cols}"
+            )
+        d = self.n_cores
+        if len(self.ranks) != d + 1 or self.ranks[0] != 1 or self.ranks[-1] != 1:
+            raise ValueError(
+                f"ranks must have {d + 1} entries with 1 at both ends, got {list(self.ranks)}"
+            )
+        if any(r < 0 for r in self.ranks):
+            raise ValueError(f"ranks must be non-negative, got {list(self.ranks)}")
+
+    @property
+    def n_cores(self) -> int:
+        return len(self.row_modes) + len(self.col_modes) if self.fmt == "tt" else len(self.row_modes)
+
+    @property
+    def padded_rows(self) -> int:
+        return _prod(self.row_modes)
+
+    @property
+    def padded_cols(self) -> int:
+        return _prod(self.col_modes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return core_sizes(self.fmt, self.row_modes, self.col_modes)
+
+    @property
+    def core_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return core_shapes(self.fmt, self.row_modes, self.col_modes, self.ranks)
+
+    @property
+    def gate_sizes(self) -> tuple[int, ...]:
+        return tuple(self.ranks[1:-1])
+
+    @property
+    def num_params(self) -> int:
+        """Cores and gates."""
+        return count_params(self.core_shapes, include_gates=True)
+
+    @property
+    def dense_params(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.cols, self.rows) if self.transpose else (self.rows, self.cols)
+
+    def with_ranks(self, ranks: Sequence[int]) -> "TTSpec":
+        return TTSpec(self.fmt, self.row_modes, self.col_modes, tuple(ranks), self.rows,
+                      self.cols, self.transpose)
+
+    def op_args(self) -> tuple:
+        """The metadata arguments of ``comera::tt_materialize`` after ``cores, gates``."""
+        return (self.fmt, list(self.row_modes), list(self.col_modes), self.rows, self.cols,
+                self.transpose)
+
+    def describe(self) -> str:
+        """Factorization as CoMERA writes it: ``[12,8,8]||[8,8,12]`` or ``[[16,20,10,10],[4,4,8,6]]``."""
+        rm = ",".join(map(str, self.row_modes))
+        cm = ",".join(map(str, self.col_modes))
+        return f"[{rm}]||[{cm}]" if self.fmt == "tt" else f"[[{rm}],[{cm}]]"
+
+
+# ----------------------------------------------------------------------------------------------
+# Factorization
+# ----------------------------------------------------------------------------------------------
+
+
+def default_n_modes(n: int, base: float = 10.0) -> int:
+    """How many modes to split a dimension into: factors near ``base`` (CoMERA: 768 and 3072 into
+    three, 30522 into four)."""
+    if n < 2:
+        return 1
+    return max(1, round(math.log(n) / math.log(base)))
+
+
+def _best_exact(n: int, k: int) -> tuple[int, ...] | None:
+    """Nondecreasing ``k`` factors with product exactly ``n`` and the smallest sum."""
+    divisors = sympy.divisors(n)
+    best: list = [None, math.inf]
+
+    def rec(rest: int, k: int, lo: int, acc: tuple, acc_sum: int) -> None:
+        if acc_sum + k * rest ** (1.0 / k) >= best[1] + 1e-9:
+            return
+        if k == 1:
+            if rest >= lo:
+                best[0], best[1] = acc + (rest,), acc_sum + rest
+            return
+        hi = rest ** (1.0 / k) + 1e-9
+        for f in divisors:
+            if f < lo or rest % f:
+                continue
+            if f > hi:
+                break
+            rec(rest // f, k - 1, f, acc + (f,), acc_sum + f)
+
+    rec(n, k, 1, (), 0)
+    return best[0]
+
+
+def _best_padded(lo_n: int, hi_n: int, k: int) -> tuple[int, ...] | None:
+    """Nondecreasing ``k`` factors with product in ``[lo_n, hi_n]``: smallest sum, then smallest product."""
+    best: list = [None, (math.inf, math.inf)]
+
+    def rec(prod: int, k: int, lo: int, acc: tuple, acc_sum: int) -> None:
+        need = -(-lo_n // prod)  # ceil
+        if acc_sum + k * need ** (1.0 / k) > best[1][0] + 1e-9:
+            return
+        if k == 1:
+            f = max(lo, need)
+            if f * prod <= hi_n:
+                key = (acc_sum + f, f * prod)
+                if key < best[1]:
+                    best[0], best[1] = acc + (f,), key
+            return
+        f = lo
+        while f ** k * prod <= hi_n:
+            rec(prod * f, k - 1, f, acc + (f,), acc_sum + f)
+            f += 1
+
+    rec(1, k, 2 if lo_n >= 2**k else 1, (), 0)
+    return best[0]
+
+
+def factorize(n: int, n_modes: int, *, max_pad: float = 0.1, slack: float = 0.25) -> tuple[int, ...]:
+    """Balanced factors of ``n`` (ascending), padding ``n`` when it factorizes badly.
+
+    "Balanced" means a small sum of modes, which is what TT parameter counts grow with
+    (the ideal is ``n_modes * n ** (1 / n_modes)``). An exact factorization within ``slack`` of the
+    ideal is used as is; otherwise sizes up to ``n * (1 + max_pad)`` are searched for the smallest
+    sum, then the smallest padding. 30522 = 2 * 3 * 5087 into four modes becomes 30576 = 12*13*14*14
+    (0.2 % padding; CoMERA's hand-picked 32000 = 16*20*10*10 pads 4.8 %).
+    """
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"size must be a positive int, got {n!r}")
+    if not _is_int(n_modes) or n_modes < 1:
+        raise ValueError(f"number of modes must be a positive int, got {n_modes!r}")
+    if n_modes == 1:
+        return (n,)
+    exact = _best_exact(n, n_modes)
+    ideal = n_modes * n ** (1.0 / n_modes)
+    if exact is not None and sum(exact) <= (1 + slack) * ideal or max_pad <= 0:
+        return exact
+    padded = _best_padded(n, int(n * (1 + max_pad)), n_modes)
+    if padded is None or sum(padded) >= sum(exact):
+        return exact
+    return padded
+
+
+def arrange_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]):
+    """Order modes so the largest sit at the ends of the chain, where one bond is 1 and the bound
+    on the other bond is the mode itself. TT: rows descending, columns ascending (CoMERA's
+    ``[12,8,8]||[8,8,12]``); TTM: both alternately from the outside in."""
+    if fmt == "tt":
+        return tuple(sorted(row_modes, reverse=True)), tuple(sorted(col_modes))
+
+    def outside_in(modes):
+        desc = sorted(modes, reverse=True)
+        out = [0] * len(desc)
+        left, right = 0, len(desc) - 1
+        for i, m in enumerate(desc):
+            if i % 2 == 0:
+                out[left] = m
+                left += 1
+            else:
+                out[right] = m
+                right -= 1
+        return tuple(out)
+
+    return outside_in(row_modes), outside_in(col_modes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Contraction (the torch reference of comera::tt_materialize) and its vector-Jacobian product
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_cores(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec) -> None:
+    d = spec.n_cores
+    if len(cores) != d:
+        raise ValueError(f"expected {d} cores for {spec.describe()} ({spec.fmt}), got {len(cores)}")
+    if len(gates) != d - 1:
+        raise ValueError(f"expected {d - 1} gates (one per internal bond), got {len(gates)}")
+    for k, (c, shape) in enumerate(zip(cores, spec.core_shapes)):
+        if tuple(c.shape) != tuple(shape):
+            raise ValueError(f"core {k} has shape {tuple(c.shape)}, expected {tuple(shape)}")
+    for k, g in enumerate(gates):
+        if tuple(g.shape) != (spec.ranks[k + 1],):
+            raise ValueError(f"gate {k} has shape {tuple(g.shape)}, expected ({spec.ranks[k + 1]},)")
+
+
+def spec_from_cores(
+    cores: Sequence[torch.Tensor], fmt: str, row_modes, col_modes, rows: int, cols: int,
+    transpose: bool,
+) -> TTSpec:
+    """The spec whose ranks are read off the cores' shapes (ranks change under rank pruning)."""
+    if not cores:
+        raise ValueError("at least one core is required")
+    ranks = tuple(int(c.shape[0]) for c in cores) + (int(cores[-1].shape[-1]),)
+    return TTSpec(fmt, tuple(row_modes), tuple(col_modes), ranks, rows, cols, transpose)
+
+
+def _chain(cores, gates, spec: TTSpec, dtype) -> list[torch.Tensor]:
+    """3-D chain cores ``[r, s, r]`` with each gate folded into its left core's right bond."""
+    out = []
+    for k, c in enumerate(cores):
+        c = c.to(dtype).reshape(spec.ranks[k], spec.sizes[k], spec.ranks[k + 1])
+        if k < len(gates):
+            c = c * gates[k].to(dtype)
+        out.append(c)
+    return out
+
+
+def _split(spec: TTSpec) -> int:
+    """Bond at which the chain is cut into a left and a right product (``1 <= b <= d-1``), chosen
+    by FLOPs; ties go to the row/column boundary of the TT format (CoMERA's ``L @ R``)."""
+    s, r, d = spec.sizes, spec.ranks, spec.n_cores
+    total = _prod(s)
+    natural = len(spec.row_modes) if spec.fmt == "tt" else d // 2
+
+    def cost(b: int) -> int:
+        left = sum(_prod(s[: k - 1]) * r[k - 1] * s[k - 1] * r[k] for k in range(2, b + 1))
+        right = sum(r[k - 1] * s[k - 1] * r[k] * _prod(s[k:]) for k in range(b + 1, d))
+        return left + right + total * r[b]
+
+    return min(range(1, d), key=lambda b: (cost(b), abs(b - natural)))
+
+
+def _prefixes(chain: Sequence[torch.Tensor], spec: TTSpec, b: int) -> list[torch.Tensor]:
+    """``L_k = chain[0] ... chain[k-1]`` as ``[S_<=k, r_k]`` for ``k = 0..b`` (``L_0 = [[1]]``)."""
+    s, r = spec.sizes, spec.ranks
+    acc = chain[0].new_ones(1, 1)
+    out = [acc]
+    rows = 1
+    for k in range(b):
+        acc = (acc @ chain[k].reshape(r[k], s[k] * r[k + 1])).reshape(rows * s[k], r[k + 1])
+        rows *= s[k]
+        out.append(acc)
+    return out
+
+
+def _suffixes(chain: Sequence[torch.Tensor], spec: TTSpec, b: int) -> list[torch.Tensor]:
+    """``R_k = chain[k] ... chain[d-1]`` as ``[r_k, S_>k]`` for ``k = b..d`` (``R_d = [[1]]``),
+    returned indexed by ``k - b``."""
+    s, r, d = spec.sizes, spec.ranks, spec.n_cores
+    acc = chain[0].new_ones(1, 1)
+    out = [acc]
+    cols = 1
+    for k in range(d - 1, b - 1, -1):
+        acc = (chain[k].reshape(r[k] * s[k], r[k + 1]) @ acc).reshape(r[k], s[k] * cols)
+        cols *= s[k]
+        out.append(acc)
+    return out[::-1]
+
+
+def _dtype(cores: Sequence[torch.Tensor]) -> torch.dtype:
+    return cores[0].dtype
+
+
+def materialize(
+    cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec
+) -> torch.Tensor:
+    """The layer's weight: ``M[:rows, :cols]`` (or its transpose), contiguous.
+
+    Builds ``L`` (left cores) and ``R`` (right cores) then one GEMM ``L @ R`` (CoMERA's order for
+    TT; for TTM the row/column indices are interleaved and permuted at the end).
+    """
+    _check_cores(cores, gates, spec)
+    dtype = _dtype(cores)
+    d, P, Q = spec.n_cores, spec.padded_rows, spec.padded_cols
+    chain = _chain(cores, gates, spec, dtype)
+    if d == 1:
+        full = chain[0].reshape(P * Q).clone()  # a fresh tensor: the op's output may not alias
+        b = None
+    else:
+        b = _split(spec)
+        left = _prefixes(chain, spec, b)[-1]
+        right = _suffixes(chain, spec, b)[0]
+    if spec.fmt == "tt" and b == len(spec.row_modes):
+        m = right.t() @ left.t() if spec.transpose else left @ right
+    else:
+        full = full if b is None else left @ right
+        if spec.fmt == "tt":
+            m = full.reshape(P, Q)
+        else:
+            n = len(spec.row_modes)
+            interleaved = [v for pair in zip(spec.row_modes, spec.col_modes) for v in pair]
+            rows_first = list(range(0, 2 * n, 2)) + list(range(1, 2 * n, 2))
+            m = full.reshape(interleaved).permute(rows_first).reshape(P, Q)
+        if spec.transpose:
+            m = m.t()
+    out = m[: spec.cols, : spec.rows] if spec.transpose else m[: spec.rows, : spec.cols]
+    return out.contiguous()
+
+
+def _grad_matrix(grad: torch.Tensor, spec: TTSpec, b: int | None) -> torch.Tensor:
+    """The output gradient in chain layout: ``[S_<=b, S_>b]`` (``[S]`` when ``b`` is None),
+    zero over the padding."""
+    P, Q = spec.padded_rows, spec.padded_cols
+    if spec.transpose:
+        padded = grad.new_zeros(Q, P)
+        padded[: spec.cols, : spec.rows] = grad
+        g = padded.t()
+    elif (P, Q) != (spec.rows, spec.cols):
+        g = grad.new_zeros(P, Q)
+        g[: spec.rows, : spec.cols] = grad
+    else:
+        g = grad
+    if spec.fmt == "ttm":
+        n = len(spec.row_modes)
+        interleave = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
+        g = g.reshape(list(spec.row_modes) + list(spec.col_modes)).permute(interleave)
+    elif b == len(spec.row_modes):
+        return g
+    if b is None:
+        return g.reshape(P * Q)
+    left = _prod(spec.sizes[:b])
+    return g.reshape(left, P * Q // left)
+
+
+def materialize_vjp(
+    cores: Sequence[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    spec: TTSpec,
+    grad: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients of :func:`materialize` w.r.t. the cores and the gates, given the output gradient.
+
+    With the chain cut at bond ``b`` (as in the forward), only two GEMMs touch the full matrix:
+    ``Y = G @ R^T`` and ``Z = L^T @ G``; every core gradient then follows from small sweeps:
+    ``dC_k = L_{k-1}^T Y_k`` going left and ``dC_k = Z_k R_{k+1}^T`` going right.
+    """
+    _check_cores(cores, gates, spec)
+    dtype = _dtype(cores)
+    s, r, d = spec.sizes, spec.ranks, spec.n_cores
+    chain = _chain(cores, gates, spec, dtype)
+    grad = grad.to(dtype)
+    dchain: list[torch.Tensor | None] = [None] * d
+    if d == 1:
+        dchain[0] = _grad_matrix(grad, spec, None).reshape(1, s[0], 1).clone()
+    else:
+        b = _split(spec)
+        g = _grad_matrix(grad, spec, b)
+        lefts = _prefixes(chain, spec, b)
+        rights = _suffixes(chain, spec, b)
+        # Left part, cores 0..b-1: Y_k = G contracted with everything right of core k-1.
+        y = g @ rights[0].t()  # [S_<=b, r_b]
+        for k in range(b - 1, -1, -1):
+            rows = _prod(s[:k])
+            y = y.reshape(rows, s[k] * r[k + 1])
+            dchain[k] = (lefts[k].t() @ y).reshape(r[k], s[k], r[k + 1])
+            y = y @ chain[k].reshape(r[k], s[k] * r[k + 1]).t()  # [S_<k, r_k]
+        # Right part, cores b..d-1: Z_k = G contracted with everything left of core k.
+        z = lefts[b].t() @ g  # [r_b, S_>b]
+        for k in range(b, d):
+            cols = _prod(s[k + 1:])
+            z = z.reshape(r[k] * s[k], cols)
+            dchain[k] = (z @ rights[k + 1 - b].t()).reshape(r[k], s[k], r[k + 1])
+            z = chain[k].reshape(r[k] * s[k], r[k + 1]).t() @ z  # [r_{k+1}, S_>k]
+    grad_cores, grad_gates = [], []
+    for k, (c, dc) in enumerate(zip(cores, dchain)):
+        if k < len(gates):
+            gk = gates[k].to(dtype)
+            grad_gates.append(
+                (c.to(dtype).reshape(r[k], s[k], r[k + 1]) * dc).sum(dim=(0, 1)).to(gates[k].dtype)
+            )
+            dc = dc * gk
+        grad_cores.append(dc.reshape(c.shape).to(c.dtype))
+    return grad_cores, grad_gates
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialization and decomposition
+# ----------------------------------------------------------------------------------------------
+
+
+def random_cores(
+    spec: TTSpec,
+    std: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """CoMERA's initialization: ``core_k = randn / sqrt(r_k) * std ** (1 / d)`` (``r_k`` the core's
+    right rank). With gates at 1, every entry of the materialized matrix then has variance
+    ``std ** 2`` exactly in expectation: each entry sums ``prod(internal ranks)`` products of ``d``
+    independent core entries."""
+    d = spec.n_cores
+    scale = float(std) ** (1.0 / d)
+    cores = []
+    for shape in spec.core_shapes:
+        c = torch.randn(shape, dtype=dtype, device=device, generator=generator)
+        cores.append(c * (scale / math.sqrt(max(shape[-1], 1))))
+    return cores
+
+
+def _to_chain_tensor(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
+    """Logical ``[rows, cols]`` matrix -> zero-padded tensor in chain index order ``[s_1..s_d]``."""
+    P, Q = spec.padded_rows, spec.padded_cols
+    padded = matrix.new_zeros(P, Q)
+    padded[: spec.rows, : spec.cols] = matrix
+    if spec.fmt == "tt":
+        return padded.reshape(spec.sizes)
+    n = len(spec.row_modes)
+    interleave = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
+    t = padded.reshape(list(spec.row_modes) + list(spec.col_modes)).permute(interleave)
+    return t.reshape(spec.sizes)
+
+
+def tt_svd(
+    matrix: torch.Tensor,
+    spec: TTSpec,
+    *,
+    tol: float | None = None,
+) -> tuple[list[torch.Tensor], float]:
+    """TT-SVD of a logical ``[rows, cols]`` matrix into ``spec``'s layout.
+
+    Ranks are capped by ``spec.ranks``; with ``tol`` each bond keeps the fewest singular values
+    whose discarded tail stays below ``tol * ||M|| / sqrt(d - 1)`` (Oseledets' bound, so the total
+    relative error is at most ``tol``). Runs on ``matrix.device`` in at least float32; the cores
+    come back in ``matrix.dtype`` with balanced norms (gates at 1). Returns ``(cores, rel_error)``
+    where ``rel_error = ||M_tt - M|| / ||M||`` on the logical matrix (the padding cropped away).
+    """
+    if tuple(matrix.shape) != (spec.rows, spec.cols):
+        raise ValueError(f"matrix has shape {tuple(matrix.shape)}, expected {(spec.rows, spec.cols)}")
+    if tol is not None and not tol >= 0:
+        raise ValueError(f"tol must be >= 0, got {tol}")
+    work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
+    m = matrix.detach().to(work)
+    s, d = spec.sizes, spec.n_cores
+    norm = torch.linalg.vector_norm(m).item()
+    delta = 0.0 if tol is None or d == 1 else tol * norm / math.sqrt(d - 1)
+    rest = _to_chain_tensor(m, spec).reshape(s[0], -1)
+    cores: list[torch.Tensor] = []
+    r_prev = 1
+    for k in range(d - 1):
+        rest = rest.reshape(r_prev * s[k], -1)
+        u, sv, vh = torch.linalg.svd(rest, full_matrices=False)
+        r = min(spec.ranks[k + 1], sv.numel())
+        if tol is not None:
+            # tail[j] = sqrt(sum_{i >= j} sv_i^2): keep the fewest j with tail[j] <= delta.
+            tail = torch.flip(torch.cumsum(torch.flip(sv.double() ** 2, [0]), 0), [0]).sqrt()
+            ok = (tail <= delta).nonzero()
+            needed = int(ok[0].item()) if ok.numel() else sv.numel()
+            r = max(1, min(r, needed))
+        cores.append(u[:, :r].reshape(r_prev, s[k], r))
+        rest = sv[:r, None] * vh[:r]
+        r_prev = r
+    cores.append(rest.reshape(r_prev, s[-1], 1))
+    # Balance the norms (the product is unchanged) so no core carries the whole scale.
+    norms = [torch.linalg.vector_norm(c).item() for c in cores]
+    if all(n > 0 for n in norms):
+        geo = math.exp(sum(math.log(n) for n in norms) / d)
+        cores = [c * (geo / n) for c, n in zip(cores, norms)]
+    ranks = tuple(c.shape[0] for c in cores) + (1,)
+    out_spec = spec.with_ranks(ranks)
+    shaped = [c.reshape(shape) for c, shape in zip(cores, out_spec.core_shapes)]
+    gates = [c.new_ones(r) for c, r in zip(shaped, ranks[1:-1])]
+    approx = materialize(shaped, gates, TTSpec(out_spec.fmt, out_spec.row_modes, out_spec.col_modes,
+                                               ranks, spec.rows, spec.cols, False))
+    err = torch.linalg.vector_norm(approx - m).item()
+    rel = err / norm if norm > 0 else err
+    return [c.to(matrix.dtype).contiguous() for c in shaped], rel
