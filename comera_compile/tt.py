@@ -110,8 +110,15 @@ def normalize_ranks(rank: int | Sequence[int], n_cores: int) -> tuple[int, ...]:
 
 
 def cap_ranks(sizes: Sequence[int], ranks: Sequence[int]) -> tuple[int, ...]:
-    """Clip each bond rank to :func:`rank_bounds`."""
-    return tuple(min(int(r), b) for r, b in zip(ranks, rank_bounds(sizes)))
+    """Clip each bond rank to :func:`rank_bounds`, then to what its neighbours allow
+    (``r_k <= r_{k-1} * s_k`` and ``r_k <= s_{k+1} * r_{k+1}``): beyond either, the extra rank
+    spans nothing new (and TT-SVD could not fill it)."""
+    r = [min(int(v), b) for v, b in zip(ranks, rank_bounds(sizes))]
+    for k in range(1, len(r)):
+        r[k] = min(r[k], r[k - 1] * sizes[k - 1])
+    for k in range(len(r) - 2, -1, -1):
+        r[k] = min(r[k], sizes[k] * r[k + 1])
+    return tuple(r)
 
 
 def core_shapes(
