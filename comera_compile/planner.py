@@ -587,8 +587,11 @@ def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int],
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingPlan:
-    """How a TT embedding lookup is computed: two merged tables gathered per lookup (``"ttm"``), or
-    a chain over the row cores times the merged column cores (``"tt"``)."""
+    """How a TT embedding lookup is computed: the cores left of bond ``split`` are merged into a table
+    A [I_L, O_L, r], the rest into B [I_R, O_R, r]; row i = (iL, iR) gives out = A[iL] · B[iR]ᵀ
+    ([O_L, O_R], flattened row-major). Both tables are ~sqrt of the vocabulary, so neither the weight
+    nor a vocabulary-sized gradient is ever formed; the backward scatter-adds into the tables and
+    then runs the merges backward into the cores."""
 
     fmt: str
     row_modes: tuple[int, ...]
@@ -596,10 +599,11 @@ class EmbeddingPlan:
     ranks: tuple[int, ...]
     n_lookups: int
     strategy: str
-    split: int  # tables: cores 1..split form A [I_L, O_L, r], the rest B [r, I_R, O_R]
-    left_tree: Any
-    right_tree: Any
-    table_elems: tuple[int, int]
+    split: int
+    steps: tuple[Step, ...]  # merges of the two tables and their backward (token-independent)
+    leaf_indices: tuple[tuple[str, str], ...]
+    tables: tuple[str, str]  # names of A and B in ``steps``
+    table_shapes: tuple[tuple[int, int, int], tuple[int, int, int]]  # (I_L, O_L, r), (I_R, O_R, r)
     flops: int
     bytes: int
     launches: int
@@ -607,29 +611,52 @@ class EmbeddingPlan:
     alternatives: tuple[tuple[str, int, int, int, float], ...]
     plan_time_s: float
 
+    def steps_in(self, *phases: str) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.phase in phases)
+
     def describe(self) -> str:
+        (il, ol, r), (ir, orr, _) = self.table_shapes
         lines = [f"embedding {self.fmt} rows={list(self.row_modes)} cols={list(self.col_modes)} "
                  f"ranks={list(self.ranks)} lookups={self.n_lookups}: {self.strategy}",
-                 f"  tables {self.table_elems[0]} + {self.table_elems[1]} elements; left merge {self.left_tree}, "
-                 f"right merge {self.right_tree}",
-                 f"  total {_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches "
-                 f"~{self.est_time_s * 1e6:.1f} us (planned in {self.plan_time_s * 1e3:.2f} ms)",
-                 "  alternatives (strategy, FLOP, bytes, launches, est us):"]
+                 f"  tables A[{il}, {ol}, {r}] ({self.tables[0]}) and B[{ir}, {orr}, {r}] ({self.tables[1]}); "
+                 f"per lookup out[{ol}, {orr}] = A[iL] · B[iR]^T (triton:tt_emb_fwd)"]
+        lines += [s.describe() for s in self.steps]
+        lines += [f"  total {_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches "
+                  f"~{self.est_time_s * 1e6:.1f} us (planned in {self.plan_time_s * 1e3:.2f} ms)",
+                  "  alternatives (strategy, FLOP, bytes, launches, est us):"]
         lines += [f"    {a[0]:<28} {_si(a[1])}FLOP {_si(a[2])}B {a[3]:>3} {a[4] * 1e6:9.1f}"
                   for a in self.alternatives]
         return "\n".join(lines)
 
 
-def _merge_cost(net: _Net, tree) -> tuple[int, int, int]:
-    """FLOPs, element traffic and launches of merging (forward) a subtree of cores."""
-    if isinstance(tree, str):
-        return 0, 0, 0
-    f, b, l = 0, 0, 0
-    for sub in tree:
-        sf, sb, sl = _merge_cost(net, sub)
-        f, b, l = f + sf, b + sb, l + sl
-    ia, ib, ic, flops = _pair_eq(net, _leaves(tree[0]), _leaves(tree[1]))
-    return f + flops, b + net.numel(ia) + net.numel(ib) + net.numel(ic), l + 1
+def _merge_steps(net: _Net, tree, dtype_bytes: int) -> tuple[list[Step], list[Step]]:
+    """Forward and backward steps of merging a subtree of cores (token-independent)."""
+    fwd: list[Step] = []
+    internal = []
+
+    def visit(t):
+        if isinstance(t, str):
+            return
+        visit(t[0])
+        visit(t[1])
+        internal.append(t)
+
+    visit(tree)
+    for t in internal:
+        a, b = _leaves(t[0]), _leaves(t[1])
+        ia, ib, ic, flops = _pair_eq(net, a, b)
+        nbytes = dtype_bytes * (net.numel(ia) + net.numel(ib) + net.numel(ic))
+        fwd.append(Step("merge", _name(_leaves(t)), (_name(a), _name(b)), f"{ia},{ib}->{ic}", flops, nbytes, 1,
+                        False))
+    bwd = []
+    for t in reversed(internal):
+        a, b = _leaves(t[0]), _leaves(t[1])
+        ia, ib, ic, flops = _pair_eq(net, a, b)
+        for tgt, other, it, io in ((a, b, ia, ib), (b, a, ib, ia)):
+            nbytes = dtype_bytes * (net.numel(ic) + net.numel(io) + net.numel(it))
+            bwd.append(Step("merge_backward", "d" + _name(tgt), ("d" + _name(_leaves(t)), _name(other)),
+                            f"{ic},{io}->{it}", flops, nbytes, 1, False))
+    return fwd, bwd
 
 
 @functools.lru_cache(maxsize=1024)
@@ -638,49 +665,44 @@ def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes) -> 
     net = _Net(tt_network(fmt, row_modes, col_modes, ranks, None))
     d = len(ranks) - 1
     cores = [f"G{k + 1}" for k in range(d)]
-    cols = math.prod(col_modes)
+    rows_p = math.prod(row_modes)
     costed = []
-    splits = range(1, d) if fmt == "ttm" else [len(row_modes)]
-    for k in splits:
-        lt, rt = _subtree(net, cores[:k]), _subtree(net, cores[k:])
-        fa, ba, la = _merge_cost(net, lt)
-        fb, bb, lb = _merge_cost(net, rt)
-        A = net.numel(net.indices(frozenset(cores[:k])))
-        B = net.numel(net.indices(frozenset(cores[k:])))
-        r = ranks[k]
-        ol = cols // math.prod(col_modes[k:]) if fmt == "ttm" else 1
-        orr = cols // ol
-        if fmt == "ttm":
-            per = 2 * ol * r * orr
-            # forward: gather two slices + one small GEMM per lookup; backward: two GEMMs + scatter-adds
-            flops = 3 * (fa + fb) + n * 3 * per
-            nbytes = dtype_bytes * (3 * (ba + bb) + n * (3 * cols + 3 * (ol * r + r * orr)) + 2 * (A + B))
-            launches = 3 * (la + lb) + 4
-            name = f"tables@{k} gather A[iL]·B[iR]"
-        else:  # "tt": row chain per lookup, then [U, r] @ R
-            a = len(row_modes)
-            per = sum(2 * ranks[j] * ranks[j + 1] for j in range(1, a)) + 2 * r * cols
-            flops = 3 * (fb + n * per)
-            nbytes = dtype_bytes * (3 * bb + n * (3 * cols + 4 * sum(ranks[1:a + 1]) * max(ranks)) + 2 * B)
-            launches = 3 * lb + 4 * a + 4
-            lt = "per-lookup chain"
-            name = f"row chain ·G{a + 1}-{d}"
+    for k in range(1, d):
+        A, B = frozenset(cores[:k]), frozenset(cores[k:])
+        ia, ib = net.indices(A), net.indices(B)
+        shp = []
+        for idx in (ia, ib):
+            il = math.prod(net.sizes[s] for s in idx if s in _ROW_SYMBOLS)
+            ol = math.prod(net.sizes[s] for s in idx if s in _COL_SYMBOLS)
+            shp.append((il, ol, ranks[k]))
+        (il, ol, r), (ir, orr, _) = shp
+        vocab_sized = il >= rows_p or ir >= rows_p
+        fa, ba = _merge_steps(net, _subtree(net, cores[:k]), dtype_bytes)
+        fb, bb = _merge_steps(net, _subtree(net, cores[k:]), dtype_bytes)
+        steps = fa + fb + bb + ba
+        per = 2 * ol * r * orr
+        # forward: two gathered slices and one small GEMM per lookup; backward: two GEMMs per lookup
+        # and scatter-adds into the tables; the merges run again for the backward
+        flops = sum(s.flops for s in steps) + sum(s.flops for s in fa + fb) + 3 * n * per
+        nbytes = (sum(s.bytes for s in steps) + sum(s.bytes for s in fa + fb)
+                  + dtype_bytes * n * 2 * ol * orr + 4 * n * 3 * r * (ol + orr) + 4 * 2 * (il * ol + ir * orr) * r)
+        launches = len(steps) + len(fa + fb) + 4
         est = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) + launches * LAUNCH_S
-        costed.append((name, k, lt, rt, (A, B), flops, nbytes, launches, est))
-    best = min(costed, key=lambda c: c[-1])
-    alts = tuple(sorted(((c[0], c[5], c[6], c[7], c[8]) for c in costed), key=lambda a: a[4]))
+        name = f"tables@{k} A[iL]·B[iR]" + (" (vocabulary-sized table)" if vocab_sized else "")
+        costed.append((vocab_sized, est, name, k, tuple(steps), (_name(A), _name(B)), tuple(shp), flops, nbytes,
+                       launches))
+    best = min(costed, key=lambda c: (c[0], c[1]))
+    alts = tuple(sorted(((c[2], c[7], c[8], c[9], c[1]) for c in costed), key=lambda a: a[4]))
     return EmbeddingPlan(fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_lookups=n,
-                         strategy=best[0], split=best[1], left_tree=best[2], right_tree=best[3], table_elems=best[4],
-                         flops=best[5], bytes=best[6], launches=best[7], est_time_s=best[8], alternatives=alts,
-                         plan_time_s=time.perf_counter() - t0)
+                         strategy=best[2], split=best[3], steps=best[4], leaf_indices=tuple(net.leaf_indices.items()),
+                         tables=best[5], table_shapes=best[6], flops=best[7], bytes=best[8], launches=best[9],
+                         est_time_s=best[1], alternatives=alts, plan_time_s=time.perf_counter() - t0)
 
 
 def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                       n_lookups: Any, dtype_bytes: int = 2) -> EmbeddingPlan:
-    """Plan a TT embedding lookup (forward + backward). ``"ttm"``: choose the bond that splits the
-    cores into two gathered tables (their sizes ~ sqrt of the vocabulary, so neither the weight nor
-    its gradient is ever vocabulary-sized); ``"tt"``: chain over the row cores per lookup, then one
-    GEMM with the merged column cores."""
+    """Plan a TT embedding lookup (forward + backward) for either format: choose the bond that splits
+    the cores into two gathered tables, preferring splits where neither table is vocabulary-sized."""
     return _plan_embedding_cached(fmt, tuple(int(m) for m in row_modes), tuple(int(m) for m in col_modes),
                                   tuple(int(r) for r in ranks), size_hint(n_lookups), int(dtype_bytes))
 
