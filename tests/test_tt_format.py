@@ -259,7 +259,7 @@ def test_random_init_variance(fmt, row_modes, col_modes, rank, std):
     spec = TTSpec(fmt, row_modes, col_modes, ranks, math.prod(row_modes) - 1, math.prod(col_modes))
     g = torch.Generator().manual_seed(0)
     second, first = [], []
-    for _ in range(32):
+    for _ in range(64):
         cores = tt.random_cores(spec, std, dtype=torch.float64, generator=g)
         w = reference_weight(cores, [torch.ones(r) for r in spec.gate_sizes], *spec.op_args())
         second.append(w.pow(2).mean().item())
