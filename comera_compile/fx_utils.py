@@ -63,6 +63,10 @@ def iter_graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[s
 
 
 def _fake_mode(values: Sequence[Any]):
+    for value in values:
+        mode = getattr(value, "fake_mode", None)
+        if mode is not None:
+            return mode
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode(values)

@@ -143,20 +143,36 @@ def list_passes() -> list[str]:
 
 
 def _snapshot(gm: fx.GraphModule) -> dict[str, fx.Graph]:
+    """A copy of every graph (root and subgraphs), meta shallow-copied."""
     snap = {}
     for path, sub in iter_graph_modules(gm):
-        graph = fx.Graph(owning_module=sub, tracer_cls=sub.graph._tracer_cls)
-        out = graph.graph_copy(sub.graph, {})
-        graph.output(out)
+        graph = fx.Graph(tracer_cls=sub.graph._tracer_cls)
+        result, output = graph.graph_copy(sub.graph, {}, return_output_node=True)
+        graph.output(result).meta = dict(output.meta)
         snap[path] = graph
     return snap
 
 
 def _restore(gm: fx.GraphModule, snap: dict[str, fx.Graph]) -> None:
+    """Put every graph back as it was, keeping the original placeholder nodes.
+
+    Placeholders carry Dynamo state beyond ``meta`` (``_dynamo_source``), so each graph is rebuilt
+    around them rather than swapped for the copy.
+    """
     for path, sub in list(iter_graph_modules(gm)):
-        if path in snap:
-            sub.graph = snap[path]
-            sub.recompile()
+        saved = snap.get(path)
+        if saved is None:
+            continue
+        graph = sub.graph
+        for node in reversed(list(graph.nodes)):
+            if node.op != "placeholder":
+                graph.erase_node(node)
+        placeholders = {n.name: n for n in graph.nodes}
+        val_map = {n: placeholders[n.name] for n in saved.nodes if n.op == "placeholder"}
+        for node in saved.nodes:
+            if node.op != "placeholder":
+                val_map[node] = graph.node_copy(node, lambda n: val_map[n])
+        sub.recompile()
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext) -> int:

@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+import comera_compile as cc
+from comera_compile.options import CompileOptions, OptionsError
+
+
+def test_defaults():
+    opts = CompileOptions()
+    assert opts.inner == "inductor" and not opts.strict and not opts.cudagraphs
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"innr": "eager"}, "valid keys"),
+    ({"inner": "tvm"}, "['inductor', 'aot_eager', 'eager']"),
+    ({"strict": "yes"}, "must be a bool"),
+    ({"cce_backward": "fast"}, "['filtered', 'exact']"),
+    ({"cce_filter_eps": 2.0}, "[0, 1)"),
+    ({"cce_min_vocab": -1}, ">= 0"),
+    ({"passes": {"cce": "off"}}, "True/False"),
+])
+def test_bad_options_name_the_valid_choices(bad, needle):
+    with pytest.raises(OptionsError) as err:
+        CompileOptions.from_user(bad)
+    assert needle in str(err.value)
+
+
+def test_bad_mode():
+    with pytest.raises(OptionsError, match="reduce-overhead"):
+        CompileOptions.from_user(None, mode="fastest")
+
+
+def test_mode_reduce_overhead_turns_on_cudagraphs():
+    assert CompileOptions.from_user(None, mode="reduce-overhead").cudagraphs
+    assert CompileOptions.from_user(None, mode="max-autotune-no-cudagraphs").max_autotune
+    assert not CompileOptions.from_user(None, mode="max-autotune-no-cudagraphs").cudagraphs
+
+
+def test_cc_compile_validates_before_tracing():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    with pytest.raises(OptionsError, match="valid keys"):
+        cc.compile(f, options={"nope": 1})
+    assert calls == []
+
+
+def test_unknown_option_through_torch_compile_fails_before_any_pass():
+    def f(x):
+        return x * 2
+
+    with pytest.raises(Exception) as err:
+        torch.compile(f, backend="comera", options={"inner": "bogus"})(torch.ones(3))
+    assert "['inductor', 'aot_eager', 'eager']" in str(err.value)
+
+
+def test_unknown_pass_name():
+    with pytest.raises(Exception, match="registered passes"):
+        torch.compile(lambda x: x + 1, backend="comera",
+                      options={"inner": "eager", "passes": {"no-such-pass": False}})(torch.ones(2))
