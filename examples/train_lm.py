@@ -139,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
                    help='passed to torch.compile(options=...), e.g. \'{"inner": "aot_eager"}\'')
     g.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
+    g.add_argument("--explain", action="store_true",
+                   help="backend comera: print cc.explain's report (rewrites, skipped candidates, graphs) first")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
@@ -157,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
+    if args.backend == "eager" and (args.compile_options or args.dynamic):
+        p.error("--compile-options and --dynamic apply to torch.compile; --backend eager does not compile")
+    if args.explain and args.backend != "comera":
+        p.error("--explain reports what the comera backend rewrites; it needs --backend comera")
     return args
 
 
@@ -298,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
         compiled = torch.compile(model, backend=args.backend, options=args.compile_options, dynamic=args.dynamic or None)
     print(f"model: {n_params / 1e6:.2f}M parameters, d_model {args.d_model}, {args.n_layers} layers, "
           f"{args.n_heads} heads | backend {args.backend} | device {device}{' (bf16 autocast)' if bf16 else ''}")
+    if args.explain:
+        example = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+        with autocast():
+            print(cc.explain(compiled, example.to(device), example.to(device)))
 
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "device": str(device), "parameters": n_params, "steps": [], "evals": []}
@@ -346,8 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
     log["peak_memory_bytes"] = peak_memory_bytes(device)
     memory_kind = "GPU memory allocated" if device.type == "cuda" else "RSS"
     rate = f"{log['tokens_per_s']:,.0f} tokens/s" if log["tokens_per_s"] else "n/a tokens/s"
-    print(f"done: {args.steps} steps in {log['total_s']:.1f}s (first step, with compilation, "
-          f"{log['first_step_s']:.1f}s) | {rate} | loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} "
+    first = "first step (compiling)" if compiled is not model else "first step"
+    print(f"done: {args.steps} steps in {log['total_s']:.1f}s ({first} {log['first_step_s']:.1f}s) | {rate} | loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} "
           f"| val {log['evals'][-1]['val_loss']:.3f} | peak {memory_kind} {log['peak_memory_bytes'] / 2**20:,.0f} MiB")
     if ranker is not None and hasattr(ranker, "history"):
         log["rank_history"] = ranker.history
