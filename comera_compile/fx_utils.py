@@ -84,6 +84,15 @@ def fake_call(target: Callable, args: tuple, kwargs: dict) -> Any:
         return target(*fargs, **fkwargs)
 
 
+def fake_node(node: fx.Node) -> Any:
+    """Compute the fake value of a ``call_function``/``call_method`` node from its inputs' fakes."""
+    if node.op == "call_function":
+        return fake_call(node.target, node.args, node.kwargs)
+    if node.op == "call_method":
+        return fake_call(lambda self, *a, **k: getattr(self, node.target)(*a, **k), node.args, node.kwargs)
+    raise RewriteRejected(f"cannot compute a fake value for a {node.op} node")
+
+
 def _same_size(a: Any, b: Any) -> bool:
     if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
         ea = a.node.expr if isinstance(a, torch.SymInt) else a
@@ -118,7 +127,7 @@ def checked_replace(old: fx.Node, new: fx.Node, erase: Sequence[fx.Node] = ()) -
     created = _new_nodes_feeding(new, old)
     try:
         for node in created:  # topological order
-            node.meta["example_value"] = fake_call(node.target, node.args, node.kwargs)
+            node.meta["example_value"] = fake_node(node)
         problem = same_meta(fake(new), expected) if expected is not None else None
     except RewriteRejected:
         _erase_all(graph, created)
