@@ -1,0 +1,501 @@
+"""tensorize_ / densify_ / compression_report / iter_tt_layers (comera_compile/tensorize.py)."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera_compile import tt
+from comera_compile.tensorize import (
+    TTConfig,
+    TTParametrization,
+    compression_report,
+    densify_,
+    iter_tt_layers,
+    tensorize_,
+)
+
+
+def reference_weight(cores, gates, spec):
+    """Independent float64 contraction over the full index tensor (DESIGN.md's definition)."""
+    acc = torch.ones(1, dtype=torch.float64)
+    for k, core in enumerate(cores):
+        sub = "...a,asb->...sb" if spec.fmt == "tt" else "...a,amnb->...mnb"
+        acc = torch.einsum(sub, acc, core.detach().double())
+        if k < len(gates):
+            acc = acc * gates[k].detach().double()
+    acc = acc[..., 0]
+    if spec.fmt == "ttm":
+        d = len(spec.row_modes)
+        acc = acc.permute(list(range(0, 2 * d, 2)) + list(range(1, 2 * d, 2)))
+    m = acc.reshape(spec.padded_rows, spec.padded_cols)[: spec.rows, : spec.cols]
+    return m.t() if spec.transpose else m
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=101, d=48, hidden=80, n_out=7):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, n_out)
+
+    def forward(self, idx):
+        return self.fc2(torch.relu(self.fc1(self.emb(idx)))).mean(1)
+
+
+def _tensorized_tiny(seed=0, rank=6, **kw):
+    torch.manual_seed(seed)
+    m = Tiny()
+    tensorize_(m, TTConfig(rank=rank, min_size=0, **kw),
+               filter_fn=lambda mod, fqn: fqn in ("emb", "fc1"))
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# Structure
+# ----------------------------------------------------------------------------------------------
+
+
+def test_layers_keep_type_and_name_and_weight_is_the_op():
+    m = _tensorized_tiny()
+    assert isinstance(m.emb, nn.Embedding) and isinstance(m.fc1, nn.Linear)
+    assert type(m.fc2) is nn.Linear and "weight" in m.fc2._parameters  # not selected: untouched
+    names = dict(m.named_parameters())
+    assert "fc1.parametrizations.weight.0.cores.0" in names
+    assert "emb.parametrizations.weight.0.gates.0" in names
+    assert not any(n.endswith("original") for n in names)  # no dense weight kept
+    assert not any(k.endswith("original") for k in m.state_dict())
+    assert m.fc1.parametrizations.weight.original.numel() == 0
+    layers = {layer.fqn: layer for layer in iter_tt_layers(m)}
+    assert set(layers) == {"emb", "fc1"}
+    assert layers["emb"].spec.fmt == "ttm" and layers["fc1"].spec.fmt == "tt"  # fmt="auto"
+    for layer in layers.values():
+        assert all(torch.equal(g, torch.ones_like(g)) for g in layer.gates)  # gates start at 1
+        assert len(layer.gates) == layer.spec.n_cores - 1
+        w = layer.module.weight
+        assert w.shape == tuple(layer.spec.weight_shape)
+        torch.testing.assert_close(w, reference_weight(layer.cores, layer.gates, layer.spec).to(w.dtype))
+    idx = torch.randint(0, 101, (3, 5))
+    want = F.linear(torch.relu(F.linear(F.embedding(idx, m.emb.weight), m.fc1.weight, m.fc1.bias)),
+                    m.fc2.weight, m.fc2.bias).mean(1)
+    torch.testing.assert_close(m(idx), want)
+
+
+def test_dynamo_graph_shows_linear_of_tt_materialize():
+    m = _tensorized_tiny()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    idx = torch.randint(0, 101, (2, 4))
+    out = torch.compile(m, backend=backend)(idx)
+    torch.testing.assert_close(out, m(idx))
+    (gm,) = graphs
+    op = torch.ops.comera.tt_materialize
+    producers = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (F.linear, F.embedding):
+            w = node.args[1]
+            producers[node.target] = w.target if w.op == "call_function" else w.op
+    assert producers[F.embedding] is op
+    # fc1's weight comes from the op; fc2 (not tensorized) is a plain placeholder.
+    linear_weights = [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target is F.linear]
+    assert [w.target is op for w in linear_weights] == [True, False]
+
+
+def _tt_weight(fmt, row_modes, col_modes, rank, rows, cols, transpose):
+    """A weight that is exactly a cropped TT of the given layout and rank."""
+    sizes = tt.core_sizes(fmt, row_modes, col_modes)
+    spec = tt.TTSpec(fmt, row_modes, col_modes, tt.cap_ranks(sizes, tt.normalize_ranks(rank, len(sizes))),
+                     rows, cols, transpose)
+    cores = [torch.randn(s, dtype=torch.float64) for s in spec.core_shapes]
+    return tt.materialize(cores, [torch.ones(r, dtype=torch.float64) for r in spec.gate_sizes], spec)
+
+
+def test_padding_never_changes_outputs():
+    """Dense layers whose weights are cropped TTs of rank 2 in padded layouts: TT-SVD at rank 4
+    (a 0/1 crop mask has TT rank 2) reproduces them exactly, so the layers' outputs are unchanged
+    by the padding, which is cropped away."""
+    torch.manual_seed(0)
+    lin, emb = nn.Linear(37, 29).double(), nn.Embedding(53, 10).double()
+    with torch.no_grad():
+        lin.weight.copy_(_tt_weight("tt", (5, 8), (6, 5), 2, 37, 29, True))
+        emb.weight.copy_(_tt_weight("ttm", (7, 8), (2, 5), 2, 53, 10, False))
+    x, idx = torch.randn(4, 37, dtype=torch.float64), torch.randint(0, 53, (9,))
+    want_lin, want_emb = lin(x), emb(idx)
+    model = nn.ModuleDict(dict(lin=lin, emb=emb))
+    tensorize_(model, {
+        "lin": TTConfig(rank=4, modes=((5, 8), (6, 5)), init="svd", min_size=0),
+        "emb": TTConfig(rank=4, modes=((7, 8), (2, 5)), init="svd", min_size=0),
+    })
+    report = compression_report(model)
+    assert {lay.fqn: lay.padded_shape for lay in report.layers} == {"lin": (40, 30), "emb": (56, 10)}
+    assert all(lay.init_error < 1e-10 and lay.tt_params < lay.dense_params for lay in report.layers)
+    torch.testing.assert_close(model["lin"](x), want_lin)
+    torch.testing.assert_close(model["emb"](idx), want_emb)
+    # And the crop is exact for any cores: the weight is the top-left block of the padded matrix.
+    for layer in iter_tt_layers(model):
+        with torch.no_grad():
+            for c in layer.cores:
+                c.normal_()
+        torch.testing.assert_close(layer.module.weight, reference_weight(layer.cores, layer.gates, layer.spec))
+
+
+def test_assigning_a_weight_refits_the_cores():
+    torch.manual_seed(0)
+    m = _tensorized_tiny(rank=4)
+    target = _tt_weight("tt", (8, 6), (8, 10), 4, 48, 80, True).float()
+    assert next(iter_tt_layers(m)).fqn == "emb"
+    assert {layer.fqn: layer.spec.describe() for layer in iter_tt_layers(m)}["fc1"] == "[8,6]||[8,10]"
+    m.fc1.weight = target
+    torch.testing.assert_close(m.fc1.weight, target, rtol=1e-4, atol=1e-4)
+    assert m.fc1.parametrizations.weight.original.numel() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialization
+# ----------------------------------------------------------------------------------------------
+
+
+def test_random_init_matches_dense_variance():
+    in_f, out_f = 192, 256
+    second, emb_rows = [], []
+    for seed in range(32):
+        torch.manual_seed(seed)
+        model = nn.ModuleDict(dict(lin=nn.Linear(in_f, out_f), emb=nn.Embedding(300, 32)))
+        tensorize_(model, TTConfig(rank=8, min_size=0))
+        second.append(model["lin"].weight.pow(2).mean().item())
+        emb_rows.append(model["emb"].weight.detach())
+    # CoMERA: std sqrt(1 / (in + out)) for linear layers.
+    assert sum(second) / len(second) == pytest.approx(1 / (in_f + out_f), rel=0.15)
+    rows = torch.cat(emb_rows)
+    # nn.Embedding's rows are N(0, 1).
+    assert rows.pow(2).mean().item() == pytest.approx(1.0, rel=0.15)
+    assert abs(rows.mean().item()) < 0.05
+    # A custom target.
+    torch.manual_seed(0)
+    lin = nn.Linear(in_f, out_f)
+    tensorize_(lin, TTConfig(rank=8, min_size=0, init_std=0.5))
+    assert lin.weight.std().item() == pytest.approx(0.5, rel=0.35)
+
+
+def test_svd_init_from_pretrained_reports_error_and_respects_tolerance():
+    torch.manual_seed(0)
+    # A weight with exact low TT rank in layout [6,4,4]||[4,4,6] plus a little noise.
+    spec = tt.TTSpec("tt", (6, 4, 4), (4, 4, 6), (1, 3, 4, 4, 4, 3, 1), 96, 96, True)
+    cores = [torch.randn(s) for s in spec.core_shapes]
+    w = tt.materialize(cores, [torch.ones(r) for r in spec.gate_sizes], spec)
+    w = w / w.std() * 0.05
+    lin = nn.Linear(96, 96)
+    with torch.no_grad():
+        lin.weight.copy_(w + 1e-5 * torch.randn_like(w))
+    x = torch.randn(5, 96)
+    want = lin(x)
+    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", svd_tol=1e-2,
+                             min_size=0))
+    (layer,) = list(iter_tt_layers(lin))
+    assert layer.spec.ranks == (1, 3, 4, 4, 4, 3, 1)  # the tolerance found the true ranks
+    (row,) = compression_report(lin).layers
+    assert row.init == "svd" and row.init_error < 1e-2
+    assert (lin(x) - want).norm() / want.norm() < 1e-2
+    # A rank cap below the true ranks: larger error, still reported.
+    lin2 = nn.Linear(96, 96)
+    with torch.no_grad():
+        lin2.weight.copy_(w)
+    tensorize_(lin2, TTConfig(rank=2, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    (row2,) = compression_report(lin2).layers
+    assert row2.ranks == (1, 2, 2, 2, 2, 2, 1) and 0.01 < row2.init_error < 1
+    assert "svd err" in str(compression_report(lin2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Selection, configs, errors
+# ----------------------------------------------------------------------------------------------
+
+
+def test_filter_fn_and_per_module_configs():
+    torch.manual_seed(0)
+    m = Tiny()
+    calls = []
+
+    def filter_fn(module, fqn):
+        calls.append((type(module).__name__, fqn))
+        return isinstance(module, nn.Linear)
+
+    tensorize_(m, TTConfig(rank=4, min_size=0), filter_fn=filter_fn)
+    assert {layer.fqn for layer in iter_tt_layers(m)} == {"fc1", "fc2"} - {"fc2"} | _maybe_fc2(m)
+    assert ("Embedding", "emb") in calls and ("Linear", "fc1") in calls
+
+    m = Tiny()
+    tensorize_(m, {"emb": TTConfig(rank=5, fmt="ttm", n_cores=2, min_size=0),
+                   "re:fc\\d": TTConfig(rank=3, fmt="ttm", min_size=0)})
+    specs = {layer.fqn: layer.spec for layer in iter_tt_layers(m)}
+    assert specs["emb"].n_cores == 2 and max(specs["emb"].ranks) == 5
+    assert specs["fc1"].fmt == "ttm" and max(specs["fc1"].ranks) == 3
+
+    m = Tiny()
+    tensorize_(m, {"fc1": TTConfig(rank=4, n_cores=3, min_size=0), "_default": None})
+    assert [(layer.fqn, layer.spec.n_cores) for layer in iter_tt_layers(m)] == [("fc1", 3)]
+
+
+def _maybe_fc2(m):
+    """fc2 (80 -> 7) does not compress at rank 4, so it is skipped with a reason."""
+    return {layer.fqn for layer in iter_tt_layers(m) if layer.fqn == "fc2"}
+
+
+def test_skipped_layers_carry_reasons():
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(
+        small=nn.Linear(8, 8),
+        sparse=nn.Embedding(1000, 64, sparse=True),
+        renorm=nn.Embedding(1000, 64, max_norm=1.0),
+        norm=nn.LayerNorm(64),
+        wide=nn.Linear(256, 256),
+        no_gain=nn.Linear(12, 12),
+    ))
+    tied_a, tied_b = nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False)
+    tied_b.weight = tied_a.weight
+    model["tied_a"], model["tied_b"] = tied_a, tied_b
+    tensorize_(model, TTConfig(rank=8, min_size=100), filter_fn=lambda mod, fqn: True)
+    report = compression_report(model)
+    reasons = {s.fqn: s.reason for s in report.skipped}
+    assert "min_size" in reasons["small"]
+    assert "sparse" in reasons["sparse"] and "max_norm" in reasons["renorm"]
+    assert "unsupported module type LayerNorm" in reasons["norm"]
+    assert "shared" in reasons["tied_a"] and "shared" in reasons["tied_b"]
+    assert "no compression" in reasons["no_gain"]
+    assert [lay.fqn for lay in report.layers] == ["wide"]
+    text = str(report)
+    assert "skipped:" in text and "tied_a" in text and "min_size" in text
+    # The tie survives.
+    assert model["tied_a"].weight is model["tied_b"].weight
+
+
+def test_invalid_rank_or_shape_raises_naming_the_layer():
+    for cfg, match in [
+        (TTConfig(rank=[4, 4], min_size=0), r"layer 'fc1'.*valid: a positive int, or 3 positive ints"),
+        (TTConfig(rank=4, modes=((4, 4), (8, 10)), min_size=0), r"layer 'fc1'.*less than rows x cols = 48 x 80"),
+        (TTConfig(rank=4, fmt="ttm", modes=((6, 8), (80,)), min_size=0), r"layer 'fc1'.*as many row modes"),
+        (TTConfig(rank=4, fmt="tt", n_cores=1, min_size=0), r"layer 'fc1'.*needs >= 2 cores"),
+    ]:
+        torch.manual_seed(0)
+        m = Tiny()
+        before = copy.deepcopy(m.state_dict())
+        with pytest.raises(ValueError, match=match):
+            tensorize_(m, cfg, filter_fn=lambda mod, fqn: fqn == "fc1")
+        assert list(iter_tt_layers(m)) == []  # nothing changed
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    for kwargs, match in [(dict(fmt="cp"), "'auto', 'tt', 'ttm'"), (dict(rank=0), "rank"),
+                          (dict(rank=[2, 0]), "positive"), (dict(init="zeros"), "'random', 'svd'"),
+                          (dict(svd_tol=0.1), "svd_tol"), (dict(modes=((2, 3),)), "row_modes, col_modes"),
+                          (dict(max_pad=-1), "max_pad"), (dict(n_cores=0), "n_cores")]:
+        with pytest.raises(ValueError, match=match):
+            TTConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and densify
+# ----------------------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_same_ranks():
+    a, b = _tensorized_tiny(seed=0), _tensorized_tiny(seed=1)
+    idx = torch.randint(0, 101, (4, 6))
+    assert not torch.allclose(a(idx), b(idx))
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(idx), a(idx))
+
+
+def _prune(layer, bond, keep):
+    """Slice bond ``bond`` (1-based, internal) of a TT layer to ``keep`` ranks, as rank
+    adaptation does: same Parameter objects, smaller data."""
+    with torch.no_grad():
+        left, right, gate = layer.cores[bond - 1], layer.cores[bond], layer.gates[bond - 1]
+        left.data = left.data[..., :keep].contiguous()
+        right.data = right.data[:keep].contiguous()
+        gate.data = gate.data[:keep].contiguous()
+
+
+def test_state_dict_round_trip_changed_ranks(tmp_path):
+    a = _tensorized_tiny(seed=0)
+    layers = {layer.fqn: layer for layer in iter_tt_layers(a)}
+    _prune(layers["fc1"], 2, 3)
+    _prune(layers["emb"], 1, 2)
+    with torch.no_grad():
+        layers["fc1"].gates[0].mul_(0.5)
+    idx = torch.randint(0, 101, (4, 6))
+    want = a(idx)
+    path = tmp_path / "pruned.pt"
+    torch.save(a.state_dict(), path)
+
+    b = _tensorized_tiny(seed=1)  # fresh model, original ranks
+    params_before = {n: id(p) for n, p in b.named_parameters()}
+    b.load_state_dict(torch.load(path))
+    assert {n: id(p) for n, p in b.named_parameters()} == params_before  # same Parameter objects
+    torch.testing.assert_close(b(idx), want)
+    got = {layer.fqn: layer.spec.ranks for layer in iter_tt_layers(b)}
+    assert got == {layer.fqn: layer.spec.ranks for layer in iter_tt_layers(a)}
+    assert got["fc1"][2] == 3 and got["emb"][1] == 2
+    # A checkpoint with other modes is still refused, by load_state_dict's own check.
+    c = Tiny()
+    tensorize_(c, TTConfig(rank=6, n_cores=2, fmt="tt", min_size=0),
+               filter_fn=lambda mod, fqn: fqn == "fc1")
+    with pytest.raises(RuntimeError):
+        c.load_state_dict(torch.load(path), strict=False)
+
+
+def test_densify_restores_plain_dense_weights():
+    m = _tensorized_tiny()
+    idx = torch.randint(0, 101, (4, 6))
+    want = m(idx)
+    w_fc1 = m.fc1.weight.detach().clone()
+    densify_(m)
+    assert type(m.fc1) is nn.Linear and type(m.emb) is nn.Embedding
+    assert isinstance(m.fc1.weight, nn.Parameter) and m.fc1.weight.requires_grad
+    assert list(iter_tt_layers(m)) == []
+    torch.testing.assert_close(m.fc1.weight, w_fc1)
+    torch.testing.assert_close(m(idx), want)
+    assert set(m.state_dict()) == set(Tiny().state_dict())
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and reporting
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tensorized_model_trains_in_eager_mode():
+    m = _tensorized_tiny(seed=0, rank=6)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 101, (32, 8))
+    target = torch.randint(0, 7, (32,))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(40):
+        loss = F.cross_entropy(m(idx), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(g.grad is not None for layer in iter_tt_layers(m) for g in layer.gates)
+
+
+def test_report_on_compiled_model_and_structured_fields():
+    m = _tensorized_tiny()
+    compiled = torch.compile(m, backend="eager")
+    report = compression_report(compiled)
+    layers = {lay.fqn: lay for lay in report.layers}
+    assert layers["fc1"].weight_shape == (80, 48) and layers["emb"].weight_shape == (101, 48)
+    assert layers["fc1"].dense_params == 80 * 48
+    for layer in iter_tt_layers(m):
+        assert layers[layer.fqn].tt_params == layer.spec.num_params == sum(
+            t.numel() for t in list(layer.cores) + list(layer.gates))
+    assert report.params == sum(p.numel() for p in m.parameters())
+    assert report.dense_params == sum(p.numel() for p in Tiny().parameters())
+    text = str(report)
+    for column in ("layer", "fmt", "factorization", "ranks", "dense", "tt", "total:"):
+        assert column in text
+    assert layers["emb"].factorization in text
+
+
+# ----------------------------------------------------------------------------------------------
+# CoMERA's six-encoder transformer (ANCHORS.md section 3)
+# ----------------------------------------------------------------------------------------------
+
+
+class SixEncoder(nn.Module):
+    """CoMERA's MNLI model, BERT-style: d 768, FFN 3072, 12 heads, vocab 30522, 6 encoders.
+
+    Its published totals (dense 66.96 M -> 1.49 M at rank 30, 44.9x) fix which layers exist and
+    which are tensorized: word embedding (TT-matrix, rank 32), the 36 encoder linears and the
+    768x768 pooler (TT, rank 30) are tensorized; position (512) and token-type (2) embeddings,
+    LayerNorms, biases and the 3-way classifier stay dense. Gates are counted as parameters.
+    """
+
+    def __init__(self, vocab=30522, d=768, ffn=3072, heads=12, n_layers=6, max_pos=512, n_cls=3):
+        super().__init__()
+        self.heads = heads
+        self.word = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_pos, d)
+        self.token_type = nn.Embedding(2, d)
+        self.ln = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(
+            q=nn.Linear(d, d), k=nn.Linear(d, d), v=nn.Linear(d, d), o=nn.Linear(d, d),
+            ff1=nn.Linear(d, ffn), ff2=nn.Linear(ffn, d), ln1=nn.LayerNorm(d), ln2=nn.LayerNorm(d),
+        )) for _ in range(n_layers))
+        self.pooler = nn.Linear(d, d)
+        self.cls = nn.Linear(d, n_cls)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        h = self.ln(self.word(idx) + self.pos(torch.arange(t, device=idx.device)) + self.token_type.weight[0])
+        for layer in self.layers:
+            q, k, v = (layer[n](h).view(b, t, self.heads, -1).transpose(1, 2) for n in "qkv")
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+            h = layer["ln1"](h + layer["o"](a))
+            h = layer["ln2"](h + layer["ff2"](F.gelu(layer["ff1"](h))))
+        return self.cls(torch.tanh(self.pooler(h[:, 0])))
+
+
+def test_comera_six_encoder_parameter_counts():
+    with torch.device("meta"):  # counts only: no memory, no init cost
+        model = SixEncoder()
+    dense = sum(p.numel() for p in model.parameters())
+    assert round(dense / 1e6, 2) == 66.96
+    tensorize_(model, {
+        "word": TTConfig(rank=32, modes=((16, 20, 10, 10), (4, 4, 8, 6))),
+        r"re:layers\.\d+\.(q|k|v|o|ff1|ff2)": TTConfig(rank=30),
+        "pooler": TTConfig(rank=30),
+    })
+    report = compression_report(model)
+    layers = {lay.fqn: lay for lay in report.layers}
+    assert len(layers) == 6 * 6 + 2
+    cores_only = {fqn: tt.count_params(tt.TTSpec(lay.fmt, *_modes(lay), lay.ranks, 1, 1).core_shapes,
+                                       include_gates=False) for fqn, lay in layers.items()}
+    # Automatic factorization and rank capping reproduce CoMERA's layouts.
+    assert layers["layers.0.q"].factorization == "[12,8,8]||[8,8,12]"
+    assert layers["layers.0.q"].ranks == (1, 12, 30, 30, 30, 12, 1)
+    assert cores_only["layers.0.q"] == 20_448
+    assert layers["layers.3.ff1"].factorization == "[12,8,8]||[12,16,16]"
+    assert layers["layers.3.ff1"].ranks == (1, 12, 30, 30, 30, 16, 1)
+    assert cores_only["layers.3.ff1"] == 28_960
+    assert layers["layers.3.ff2"].factorization == "[16,16,12]||[8,8,12]"  # mirrored
+    assert cores_only["layers.3.ff2"] == 28_960
+    assert layers["word"].fmt == "ttm" and layers["word"].padded_shape == (32000, 768)
+    assert cores_only["word"] == 167_808
+    assert report.dense_params == dense
+    assert round(report.params / 1e6, 2) == 1.49
+    assert round(report.ratio, 1) == 44.9
+    assert report.params == sum(p.numel() for p in model.parameters())
+    assert report.skipped == ()
+
+
+def _modes(lay):
+    rm, cm = lay.factorization.replace("[[", "").replace("]]", "").replace("]||[", "],[").split("],[")
+    return tuple(map(int, rm.strip("[]").split(","))), tuple(map(int, cm.strip("[]").split(",")))
+
+
+def test_six_encoder_slice_runs_and_trains():
+    """A 1-encoder, small-vocab version of the same model runs forward/backward after tensorize_."""
+    torch.manual_seed(0)
+    model = SixEncoder(vocab=1000, d=96, ffn=192, heads=4, n_layers=1, max_pos=16)
+    tensorize_(model, TTConfig(rank=8, min_size=0),
+               filter_fn=lambda mod, fqn: fqn == "word" or fqn.startswith("layers."))
+    assert {lay.fqn for lay in iter_tt_layers(model)} >= {"word", "layers.0.q", "layers.0.ff2"}
+    idx = torch.randint(0, 1000, (4, 16))
+    target = torch.randint(0, 3, (4,))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(15):
+        loss = F.cross_entropy(model(idx), target)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first
+    assert isinstance(model.layers[0]["q"].parametrizations.weight[0], TTParametrization)
