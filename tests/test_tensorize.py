@@ -49,6 +49,7 @@ class Tiny(nn.Module):
 def _tensorized_tiny(seed=0, rank=6, **kw):
     torch.manual_seed(seed)
     m = Tiny()
+    m.dense_weights = [m.emb.weight, m.fc1.weight]  # references a user might still hold
     tensorize_(m, TTConfig(rank=rank, min_size=0, **kw),
                filter_fn=lambda mod, fqn: fqn in ("emb", "fc1"))
     return m
@@ -69,6 +70,7 @@ def test_layers_keep_type_and_name_and_weight_is_the_op():
     assert not any(n.endswith("original") for n in names)  # no dense weight kept
     assert not any(k.endswith("original") for k in m.state_dict())
     assert m.fc1.parametrizations.weight.original.numel() == 0
+    assert all(w.numel() == 0 for w in m.dense_weights)  # the dense storage was released
     layers = {layer.fqn: layer for layer in iter_tt_layers(m)}
     assert set(layers) == {"emb", "fc1"}
     assert layers["emb"].spec.fmt == "ttm" and layers["fc1"].spec.fmt == "tt"  # fmt="auto"

@@ -95,11 +95,16 @@ def test_gradients_match_float64_autograd_of_reference(fmt, n_cores, transpose):
                                                    ("ttm", 1, False), ("ttm", 2, True),
                                                    ("ttm", 3, False)])
 def test_gradcheck(fmt, n_cores, transpose):
+    """First and second derivatives (the backward is written in differentiable torch ops)."""
     spec, cores, gates = _random_layer(fmt, n_cores, seed=3, transpose=transpose, rank=3)
     params = [t.requires_grad_() for t in cores + gates]
     d = len(cores)
-    assert torch.autograd.gradcheck(
-        lambda *p: tt_materialize(p[:d], p[d:], *spec.op_args()), params)
+
+    def fn(*p):
+        return tt_materialize(p[:d], p[d:], *spec.op_args())
+
+    assert torch.autograd.gradcheck(fn, params)
+    assert torch.autograd.gradgradcheck(fn, params)
 
 
 @pytest.mark.parametrize("fmt,transpose", [("tt", True), ("ttm", False)])
