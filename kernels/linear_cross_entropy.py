@@ -59,21 +59,29 @@ class _Tuning:
     fwd_block_k: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
+    fwd_group_m: int = 16
     bwd_block_m: int = 128
     bwd_block_n: int = 128
     bwd_block_k: int = 64
     bwd_warps: int = 8
     bwd_stages: int = 3
-    group_v: int = 8
+    group_v: int = 16
     cons_block_d: int = 128
     cons_warps: int = 8
     cons_stages: int = 3
     tgt_block: int = 16
     tile_budget_bytes: int = 44 << 20
+    dense_budget_bytes: int = 64 << 20
+    dense_after_rounds: int = 4
+    dense_density: float = 0.3
     ref_chunk_bytes: int = 64 << 20
 
 
 _TUNING = _Tuning()
+
+# Bookkeeping of the last Triton backward (tensors, read them only after synchronizing):
+# rounds, tiles (total tile count), kept (tiles whose gradient was not filtered out).
+_LAST_STATS: dict = {}
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
@@ -119,13 +127,21 @@ if _HAS_TRITON:
     @triton.jit
     def _lse_fwd_kernel(
         X, W, Bias, T, M_out, S_out, TZ_out, ZS_out,
-        N, V, D, sxn, sxd, swv, swd, sb, softcap, vb_per_split,
+        N, V, D, sxn, sxd, swv, swd, sb, softcap, vb_per_split, num_tb, splits,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_s = tl.program_id(1)
+        # Programs that run together share GROUP_M token blocks (x stays in L2) and a few
+        # vocabulary splits (each W tile is read by GROUP_M programs at about the same time).
+        pid = tl.program_id(0)
+        per_group = GROUP_M * splits
+        group = pid // per_group
+        first_m = group * GROUP_M
+        gsize = tl.minimum(num_tb - first_m, GROUP_M)
+        r = pid % per_group
+        pid_m = first_m + r % gsize
+        pid_s = r // gsize
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N
         rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
@@ -165,18 +181,20 @@ if _HAS_TRITON:
 
     @triton.jit
     def _grad_tile_kernel(
-        X, W, Bias, Order, LSE, PCoef, SCoef, G, GCol, Slot, Counter,
+        X, W, Bias, Order, LSE, PCoef, SCoef, TPos, TCoef, G, GCol, Slot, Counter,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
-        capacity, vb_start, nvb_range, num_tb,
+        capacity, vb_start, nvb_range, num_tb, ld_g,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
         FILTER: tl.constexpr, DYNAMIC: tl.constexpr, HAS_ORDER: tl.constexpr,
     ):
-        """Gradient of the loss w.r.t. one tile of (softcapped) logits, without the one-hot term.
+        """Gradient of the loss w.r.t. one tile of (softcapped) logits.
 
-        Writes Slot[tb, vbl] = slot index of the stored tile, -1 when filtered out, -2 when it did
-        not fit (DYNAMIC: slots come from an atomic counter; else slot = tb * nvb_range + vbl).
+        DYNAMIC (sparse): the softmax part only; kept tiles go to slots from an atomic counter,
+        Slot[tb, vbl] = slot, -1 when filtered out, -2 when it did not fit (or was not tried).
+        Dense: the whole gradient (one-hot term included) goes to row-major G [N, ld_g];
+        filtered tiles are written as zeros.
         """
         pid = tl.program_id(0)
         per_group = GROUP_V * num_tb
@@ -197,11 +215,11 @@ if _HAS_TRITON:
         rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
         pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = pos < V
-        pos = tl.where(mask_n, pos, 0)
+        pos_c = tl.where(mask_n, pos, 0)
         if HAS_ORDER:
-            cols = tl.load(Order + pos).to(tl.int64)
+            cols = tl.load(Order + pos_c).to(tl.int64)
         else:
-            cols = pos.to(tl.int64)
+            cols = pos_c.to(tl.int64)
         z = _logits_tile(X, W, rows, cols, D, sxn, sxd, swv, swd,
                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         if HAS_BIAS:
@@ -229,32 +247,41 @@ if _HAS_TRITON:
             # NaN/inf must not be filtered away: they propagate as in eager.
             small = tl.max(tl.abs(p)) < filter_eps
             finite = tl.sum((g != g).to(tl.int32) + (tl.abs(g) == float("inf")).to(tl.int32)) == 0
-            if small & finite:
-                tl.store(slot_ptr, -1)
-                return
+            if DYNAMIC:
+                if small & finite:
+                    tl.store(slot_ptr, -1)
+                    return
+            else:
+                g = tl.where(small & finite, 0.0, g)
+        offs_bn = tl.arange(0, BLOCK_N)
         if DYNAMIC:
             slot = tl.atomic_add(Counter, 1)
+            if slot >= capacity:
+                tl.store(slot_ptr, -2)
+                return
+            offs_bm = tl.arange(0, BLOCK_M)
+            base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+            tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
+                     g.to(G.dtype.element_ty))
+            tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
+            tl.store(slot_ptr, slot)
         else:
-            slot = tb * nvb_range + vbl
-        if slot >= capacity:
-            tl.store(slot_ptr, -2)
-            return
-        offs_bm = tl.arange(0, BLOCK_M)
-        offs_bn = tl.arange(0, BLOCK_N)
-        base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-        tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :], g.to(G.dtype.element_ty))
-        tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
-        tl.store(slot_ptr, slot)
+            tp = tl.load(TPos + rows, mask=mask_m, other=-1)
+            tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
+            hit = (pos[None, :] == tp[:, None]) & mask_n[None, :]
+            g -= tl.where(hit, tc[:, None], 0.0)  # tcoef already holds softcap' at the target
+            tl.store(G + rows[:, None] * ld_g + (vbl * BLOCK_N + offs_bn)[None, :],
+                     g.to(G.dtype.element_ty), mask=mask_m[:, None])
 
     @triton.jit
     def _dx_kernel(
-        G, W, Order, RowPtr, TileVb, TileSlot, T, TCoef, SCoef, WColSum, Acc, DX,
-        N, V, D, swv, swd, sdn, sdd, vb_start,
+        G, W, Order, RowPtr, TileVb, TileSlot, T, TPos, TCoef, SCoef, WColSum, DX,
+        N, V, D, swv, swd, sdn, sdd, vb_start, tgt_lo, tgt_hi,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_ORDER: tl.constexpr, ADD_TERMS: tl.constexpr, HAS_SMOOTH_VEC: tl.constexpr,
-        LOAD_ACC: tl.constexpr, STORE_ACC: tl.constexpr,
+        HAS_ORDER: tl.constexpr, SMOOTH_TERMS: tl.constexpr, LOAD_PREV: tl.constexpr,
     ):
-        """dX[token block, D chunk] = sum over kept tiles G @ W[cols] (+ target and smoothing terms)."""
+        """dX[token block, D chunk] (+)= sum over kept tiles G @ W[cols], minus the one-hot term of
+        the targets whose visiting position is in [tgt_lo, tgt_hi) (and the smoothing term)."""
         tb = tl.program_id(0)
         pid_d = tl.program_id(1)
         offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,37 +296,34 @@ if _HAS_TRITON:
         end = tl.load(RowPtr + tb + 1)
         for i in range(start, end):
             slot = tl.load(TileSlot + i)
-            if slot >= 0:
-                vb = vb_start + tl.load(TileVb + i)
-                pos = vb * BLOCK_N + offs_bn
-                pos = tl.where(pos < V, pos, 0)
-                if HAS_ORDER:
-                    cols = tl.load(Order + pos).to(tl.int64)
-                else:
-                    cols = pos.to(tl.int64)
-                g = tl.load(G + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                            + offs_bm[:, None] * BLOCK_N + offs_bn[None, :])
-                w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
-                            mask=mask_d[None, :], other=0.0)
-                acc = tl.dot(g, w.to(g.dtype), acc)
-        if ADD_TERMS:
-            tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
-            t = tl.load(T + rows, mask=mask_m & (tc != 0.0), other=0)
-            wt = tl.load(W + t[:, None] * swv + offs_d[None, :] * swd,
-                         mask=(tc != 0.0)[:, None] & mask_d[None, :], other=0.0)
-            acc -= tc[:, None] * wt.to(tl.float32)
-            if HAS_SMOOTH_VEC:
-                sc = tl.load(SCoef + rows, mask=mask_m, other=0.0)
-                wcs = tl.load(WColSum + offs_d, mask=mask_d, other=0.0)
-                acc -= sc[:, None] * wcs[None, :]
+            vb = vb_start + tl.load(TileVb + i)
+            pos = vb * BLOCK_N + offs_bn
+            pos = tl.where(pos < V, pos, 0)
+            if HAS_ORDER:
+                cols = tl.load(Order + pos).to(tl.int64)
+            else:
+                cols = pos.to(tl.int64)
+            g = tl.load(G + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                        + offs_bm[:, None] * BLOCK_N + offs_bn[None, :])
+            w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
+                        mask=mask_d[None, :], other=0.0)
+            acc = tl.dot(g, w.to(g.dtype), acc)
+        tp = tl.load(TPos + rows, mask=mask_m, other=-1)
+        tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
+        hit = (tp >= tgt_lo) & (tp < tgt_hi) & (tc != 0.0) & mask_m
+        t = tl.load(T + rows, mask=hit, other=0)
+        wt = tl.load(W + t[:, None] * swv + offs_d[None, :] * swd,
+                     mask=hit[:, None] & mask_d[None, :], other=0.0)
+        acc -= tl.where(hit, tc, 0.0)[:, None] * wt.to(tl.float32)
+        if SMOOTH_TERMS:
+            sc = tl.load(SCoef + rows, mask=mask_m, other=0.0)
+            wcs = tl.load(WColSum + offs_d, mask=mask_d, other=0.0)
+            acc -= sc[:, None] * wcs[None, :]
         out = rows[:, None] * sdn + offs_d[None, :] * sdd
         omask = mask_m[:, None] & mask_d[None, :]
-        if LOAD_ACC:
-            acc += tl.load(Acc + rows[:, None] * D + offs_d[None, :], mask=omask, other=0.0)
-        if STORE_ACC:
-            tl.store(Acc + rows[:, None] * D + offs_d[None, :], acc, mask=omask)
-        else:
-            tl.store(DX + out, acc.to(DX.dtype.element_ty), mask=omask)
+        if LOAD_PREV:
+            acc += tl.load(DX + out, mask=omask, other=0.0).to(tl.float32)
+        tl.store(DX + out, acc.to(DX.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _dw_kernel(
@@ -406,11 +430,11 @@ def _triton_forward(x, weight, target, bias, softcap, label_smoothing):
     tz_part = torch.empty((splits, N), **f32)
     smooth = label_smoothing > 0.0
     zs_part = torch.empty((splits, N), **f32) if smooth else m_part
-    _lse_fwd_kernel[(num_tb, splits)](
+    _lse_fwd_kernel[(num_tb * splits,)](
         x, weight, bias if bias is not None else x, target, m_part, s_part, tz_part, zs_part,
         N, V, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0, float(softcap), vb_per_split,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=D % BK == 0,
+        bias.stride(0) if bias is not None else 0, float(softcap), vb_per_split, num_tb, splits,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.fwd_group_m, EVEN_K=D % BK == 0,
         DOT_PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap > 0.0, HAS_SMOOTH=smooth,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
@@ -443,9 +467,32 @@ def _weighted_row_sum(coef: torch.Tensor, x: torch.Tensor, chunk: int = 4096) ->
     return out
 
 
+_ADDMM_DTYPE_OK = [True]
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b half precision, without a half-precision partial."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if _ADDMM_DTYPE_OK[0] and acc.is_cuda:
+        try:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+            return
+        except (RuntimeError, NotImplementedError):
+            _ADDMM_DTYPE_OK[0] = False
+    acc += torch.mm(a, b).float()
+
+
 def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap, label_smoothing,
                      filter_eps, exact, deterministic, need_dx, need_dw, need_db):
-    """Gradients of sum_i [pcoef_i * lse_i - tcoef_i * z_{i,t_i} - scoef_i * sum_v z_iv]."""
+    """Gradients of sum_i [pcoef_i lse_i - tcoef_i z_{i,t_i} / softcap'_i - scoef_i sum_v z_iv].
+
+    Sparse rounds (filtered, not deterministic): kept tiles go to a bounded buffer and are reduced
+    by _dx_kernel/_dw_kernel. When a round shows that filtering keeps most tiles, or after
+    `dense_after_rounds` rounds, the rest of the vocabulary goes through dense chunks: the gradient
+    of a vocabulary chunk is written whole and reduced with two library GEMMs (dX in fp32).
+    """
     cfg = _TUNING
     N, D = x.shape
     V = weight.shape[0]
@@ -456,122 +503,153 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
     has_softcap = softcap > 0.0
     smooth = label_smoothing > 0.0
     smooth_in_tile = smooth and has_softcap  # not a rank-one term then: keep it in the tiles
-    filt = not exact and not smooth_in_tile
-    use_order = filt
-    order = _vocab_order(x, weight, bias) if use_order else None
+    filt = not exact and not smooth_in_tile and filter_eps > 0.0
+    sparse = filt and not deterministic
+    order = _vocab_order(x, weight, bias) if sparse else None
     gdtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    tile_bytes = BM * BN * torch.finfo(gdtype).bits // 8
-    capacity = max(num_tb, cfg.tile_budget_bytes // tile_bytes)
-    G = torch.empty((capacity, BM, BN), device=dev, dtype=gdtype)
-    gcol = torch.empty((capacity, BN), device=dev, dtype=torch.float32)
-    slot_map = torch.empty((num_tb, nvb), device=dev, dtype=torch.int32)
-    counter = torch.zeros((1,), device=dev, dtype=torch.int32)
+    elem = torch.finfo(gdtype).bits // 8
     i32 = dict(device=dev, dtype=torch.int32)
+    f32 = dict(device=dev, dtype=torch.float32)
 
     valid_t = tcoef != 0
     tgt_safe = torch.where(valid_t, target, torch.zeros_like(target))
+    if order is not None:
+        inv = torch.empty((V,), **i32)
+        inv[order.long()] = torch.arange(V, **i32)
+        tpos = inv[tgt_safe]
+    else:
+        tpos = tgt_safe.to(torch.int32)
+    tpos = torch.where(valid_t, tpos, torch.full_like(tpos, V)).contiguous()
     smooth_vec = smooth and not smooth_in_tile
-    wcolsum = xsmooth = None
-    b_smooth = 0.0
-    if smooth_vec:
-        wcolsum = weight.sum(0, dtype=torch.float32)
-        xsmooth = _weighted_row_sum(scoef, x) if need_dw else None
-        b_smooth = float(scoef.sum()) if need_db else 0.0
+    wcolsum = weight.sum(0, dtype=torch.float32) if smooth_vec and need_dx else None
+    xsmooth = _weighted_row_sum(scoef, x) if smooth_vec and need_dw else None
+    b_smooth = float(scoef.sum()) if smooth_vec and need_db else 0.0
 
     dx = torch.empty((N, D), device=dev, dtype=x.dtype) if need_dx else None
     dw = torch.empty((V, D), device=dev, dtype=weight.dtype) if need_dw else None
     db = torch.empty((V,), device=dev, dtype=bias.dtype) if need_db else None
-    if need_dw or need_db:
-        # tokens grouped by the vocabulary block of their target (in visiting order)
-        if order is not None:
-            inv = torch.empty((V,), **i32)
-            inv[order.long()] = torch.arange(V, **i32)
-            tpos_all = inv[tgt_safe]
-        else:
-            tpos_all = tgt_safe.to(torch.int32)
-        tpos_all = torch.where(valid_t, tpos_all, torch.full_like(tpos_all, V))
-        toks = torch.argsort(tpos_all, stable=True).to(torch.int32)
-        tok_pos = tpos_all[toks.long()].contiguous()
-        bounds = torch.arange(nvb + 1, device=dev, dtype=torch.int32) * BN
-        tok_ptr = torch.searchsorted(tok_pos, bounds).to(torch.int32)
-
-    common = dict(BLOCK_M=BM, BLOCK_N=BN)
     dummy = lse
-    acc = None
+    order_arg = order if order is not None else tpos
+    common = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_V=cfg.group_v, EVEN_K=D % BK == 0,
+                  DOT_PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None,
+                  HAS_SOFTCAP=has_softcap, SMOOTH_IN_TILE=smooth_in_tile, FILTER=filt,
+                  HAS_ORDER=order is not None, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+    strides = (x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+               bias.stride(0) if bias is not None else 0)
+    bias_arg = bias if bias is not None else x
+    kept_total = 0
+    rounds = 0
     vb_start = 0
-    dynamic = filt and not deterministic
-    fixed_width = max(1, capacity // num_tb)
-    while vb_start < nvb:
-        if dynamic:
+
+    if sparse:
+        capacity = max(num_tb, cfg.tile_budget_bytes // (BM * BN * elem))
+        G = torch.empty((capacity, BM, BN), device=dev, dtype=gdtype)
+        gcol = torch.empty((capacity, BN), **f32)
+        slot_map = torch.empty((num_tb * nvb,), **i32)
+        counter = torch.zeros((1,), **i32)
+        if need_dw or need_db:  # tokens grouped by the vocabulary block of their target
+            toks = torch.argsort(tpos, stable=True).to(torch.int32)
+            tok_pos = tpos[toks.long()].contiguous()
+            tok_ptr = torch.searchsorted(tok_pos, torch.arange(nvb + 1, **i32) * BN).to(torch.int32)
+        cons = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, HAS_ORDER=True,
+                    num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
+        while vb_start < nvb:
             nvr = nvb - vb_start
             counter.zero_()
-        else:
-            nvr = min(fixed_width, nvb - vb_start)
-        _grad_tile_kernel[(num_tb * nvr,)](
-            x, weight, bias if bias is not None else x, order if order is not None else counter,
-            lse, pcoef, scoef if smooth_in_tile else dummy, G, gcol, slot_map, counter,
-            N, V, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0, float(softcap), float(filter_eps),
-            capacity, vb_start, nvr, num_tb,
-            BLOCK_K=BK, GROUP_V=cfg.group_v, EVEN_K=D % BK == 0,
-            DOT_PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=has_softcap, SMOOTH_IN_TILE=smooth_in_tile, FILTER=filt,
-            DYNAMIC=dynamic, HAS_ORDER=order is not None,
-            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **common,
-        )
-        sm = slot_map.view(-1)[: num_tb * nvr].view(num_tb, nvr)
-        if dynamic:
+            _grad_tile_kernel[(num_tb * nvr,)](
+                x, weight, bias_arg, order, lse, pcoef, dummy, tpos, tcoef, G, gcol, slot_map,
+                counter, N, V, D, *strides, float(softcap), float(filter_eps),
+                capacity, vb_start, nvr, num_tb, 0, DYNAMIC=True, **common)
+            sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
             unresolved = (sm == -2).any(0)
             done = int(torch.where(unresolved.any(), unresolved.int().argmax(), nvr))
-            if done == 0:  # could not finish one block column: finish in fixed rounds
-                dynamic = False
-                continue
+            if done == 0:  # not even one block column fitted: the rest goes dense
+                break
+            rounds += 1
             kept = sm[:, :done] >= 0
             idx = kept.nonzero()
-            row_ptr = torch.zeros((num_tb + 1,), **i32)
-            row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
-            tile_vb = idx[:, 1].to(torch.int32).contiguous()
-            tile_slot = sm[idx[:, 0], idx[:, 1]].contiguous()
-            idx_t = kept.t().nonzero()
-            col_ptr = torch.zeros((done + 1,), **i32)
-            col_ptr[1:] = torch.cumsum(kept.sum(0), 0)
-            tile_tb = idx_t[:, 1].to(torch.int32).contiguous()
-            tile_slot_t = sm[idx_t[:, 1], idx_t[:, 0]].contiguous()
-        else:
-            done = nvr
-            row_ptr = torch.arange(num_tb + 1, **i32) * nvr
-            tile_vb = torch.arange(nvr, **i32).repeat(num_tb)
-            tile_slot = sm.reshape(-1).contiguous()
-            col_ptr = torch.arange(nvr + 1, **i32) * num_tb
-            tile_tb = torch.arange(num_tb, **i32).repeat(nvr)
-            tile_slot_t = sm.t().contiguous().view(-1)
-        first = vb_start == 0
-        last = vb_start + done >= nvb
+            n_kept = idx.shape[0]
+            kept_total += n_kept
+            if need_dx:
+                row_ptr = torch.zeros((num_tb + 1,), **i32)
+                row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
+                tile_vb = idx[:, 1].to(torch.int32).contiguous()
+                tile_slot = sm[idx[:, 0], idx[:, 1]].contiguous()
+                _dx_kernel[(num_tb, _cdiv(D, BD))](
+                    G, weight, order, row_ptr, tile_vb, tile_slot, tgt_safe, tpos, tcoef, scoef,
+                    wcolsum if wcolsum is not None else dummy, dx,
+                    N, V, D, weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1),
+                    vb_start, vb_start * BN, (vb_start + done) * BN,
+                    SMOOTH_TERMS=smooth_vec and rounds == 1, LOAD_PREV=rounds > 1, **cons)
+            if need_dw or need_db:
+                idx_t = kept.t().nonzero()
+                col_ptr = torch.zeros((done + 1,), **i32)
+                col_ptr[1:] = torch.cumsum(kept.sum(0), 0)
+                tile_tb = idx_t[:, 1].to(torch.int32).contiguous()
+                tile_slot_t = sm[idx_t[:, 1], idx_t[:, 0]].contiguous()
+                _dw_kernel[(done, _cdiv(D, BD) if need_dw else 1)](
+                    G, gcol, x, order, col_ptr, tile_tb, tile_slot_t, tok_ptr, toks, tok_pos,
+                    tcoef, xsmooth if xsmooth is not None else dummy,
+                    dw if dw is not None else G, db if db is not None else G,
+                    N, V, D, x.stride(0), x.stride(1),
+                    dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
+                    db.stride(0) if db is not None else 0, b_smooth, vb_start,
+                    BLOCK_T=BT, HAS_BIAS=need_db, HAS_SMOOTH_VEC=smooth_vec, HAS_DW=need_dw,
+                    **cons)
+            vb_start += done
+            density = n_kept / (num_tb * done)
+            if density > cfg.dense_density or rounds >= cfg.dense_after_rounds:
+                break
+        del G, gcol
+
+    dense_rounds = 0
+    if vb_start < nvb:  # dense chunks of the vocabulary
+        p0 = vb_start * BN
+        acc = None
         if need_dx:
-            if not last and acc is None:
-                acc = torch.empty((N, D), device=dev, dtype=torch.float32)
-            _dx_kernel[(num_tb, _cdiv(D, BD))](
-                G, weight, order if order is not None else counter, row_ptr, tile_vb, tile_slot,
-                tgt_safe, tcoef, scoef, wcolsum if wcolsum is not None else dummy,
-                acc if acc is not None else dummy, dx,
-                N, V, D, weight.stride(0), weight.stride(1), dx.stride(0), dx.stride(1), vb_start,
-                BLOCK_D=BD, HAS_ORDER=order is not None, ADD_TERMS=first,
-                HAS_SMOOTH_VEC=smooth_vec, LOAD_ACC=not first, STORE_ACC=not last,
-                num_warps=cfg.cons_warps, num_stages=cfg.cons_stages, **common,
-            )
-        if need_dw or need_db:
-            _dw_kernel[(done, _cdiv(D, BD) if need_dw else 1)](
-                G, gcol, x, order if order is not None else counter, col_ptr, tile_tb, tile_slot_t,
-                tok_ptr, toks, tok_pos, tcoef, xsmooth if xsmooth is not None else dummy,
-                dw if dw is not None else G, db if db is not None else G,
-                N, V, D, x.stride(0), x.stride(1),
-                dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
-                db.stride(0) if db is not None else 0, b_smooth, vb_start,
-                BLOCK_D=BD, BLOCK_T=BT, HAS_ORDER=order is not None, HAS_BIAS=need_db,
-                HAS_SMOOTH_VEC=smooth_vec, HAS_DW=need_dw,
-                num_warps=cfg.cons_warps, num_stages=cfg.cons_stages, **common,
-            )
-        vb_start += done
+            if vb_start == 0:
+                acc = torch.zeros((N, D), **f32)
+                if smooth_vec:
+                    acc.addr_(scoef, wcolsum, alpha=-1.0)
+            else:
+                acc = dx.float()
+        width = max(BN, cfg.dense_budget_bytes // max(1, N * elem) // BN * BN)
+        width = min(width, _cdiv(V - p0, BN) * BN)
+        Gd = torch.empty((N, width), device=dev, dtype=gdtype)
+        for c0 in range(p0, V, width):
+            c1 = min(c0 + width, V)
+            nvr = _cdiv(c1 - c0, BN)
+            dense_rounds += 1
+            _grad_tile_kernel[(num_tb * nvr,)](
+                x, weight, bias_arg, order_arg, lse, pcoef, scoef, tpos, tcoef, Gd, dummy, tpos,
+                tpos, N, V, D, *strides, float(softcap), float(filter_eps),
+                0, c0 // BN, nvr, num_tb, width, DYNAMIC=False, **common)
+            gc = Gd[:, : c1 - c0]
+            cols = order[c0:c1].long() if order is not None else None
+            if need_dx:
+                wc = weight.index_select(0, cols) if cols is not None else weight[c0:c1]
+                _addmm_f32_(acc, gc, wc)
+            if need_dw:
+                if cols is None:
+                    torch.mm(gc.t(), x, out=dw[c0:c1])
+                    if smooth_vec:
+                        dw[c0:c1] -= xsmooth
+                else:
+                    part = torch.mm(gc.t(), x)
+                    if smooth_vec:
+                        part -= xsmooth
+                    dw.index_copy_(0, cols, part)
+            if need_db:
+                part = gc.sum(0, dtype=torch.float32) - b_smooth
+                if cols is None:
+                    db[c0:c1] = part
+                else:
+                    db.index_copy_(0, cols, part.to(db.dtype))
+        if need_dx:
+            dx.copy_(acc)
+    _LAST_STATS.clear()
+    _LAST_STATS.update(sparse_rounds=rounds, dense_chunks=dense_rounds, tiles=num_tb * nvb,
+                       kept_sparse=kept_total, sparse_blocks=vb_start)
     return dx, dw, db
 
 
@@ -824,6 +902,10 @@ def linear_cross_entropy(
                          f"got {tuple(target.shape)}")
     if target.dtype != torch.int64:
         raise RuntimeError(f"linear_cross_entropy: target must be int64 (Long), got {target.dtype}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise RuntimeError(
+            f"linear_cross_entropy: x, weight and bias must have the same dtype, got {x.dtype}, "
+            f"{weight.dtype}{', ' + str(bias.dtype) if bias is not None else ''}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"linear_cross_entropy: bias must be [V]={weight.shape[0]}, "
                          f"got {tuple(bias.shape)}")
