@@ -86,14 +86,10 @@ def gated_core_views(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor
     d = len(cores)
     out = []
     for k, core in enumerate(cores):
-        c = core.to(dtype)
+        c = core if core.dtype == dtype else core.to(dtype)
         if k < d - 1:
-            c = c * gates[k].to(dtype)
-        if k == 0:
-            c = c.squeeze(0)
-        if k == d - 1:
-            c = c.squeeze(-1)
-        out.append(c)
+            c = c * (gates[k] if gates[k].dtype == dtype else gates[k].to(dtype))
+        out.append(c.reshape(c.shape[1:] if k == 0 else c.shape[:-1] if k == d - 1 else c.shape))
     return out
 
 
@@ -104,10 +100,10 @@ def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor
     for k, (core, dv) in enumerate(zip(cores, dviews)):
         dv = dv.reshape(core.shape)
         if k < d - 1:
-            g = gates[k].to(dv.dtype)
-            dgates.append((dv * core.to(dv.dtype)).reshape(-1, core.shape[-1]).sum(0).to(gates[k].dtype))
-            dv = dv * g
-        dcores.append(dv.to(core.dtype))
+            dg = torch.einsum("...r,...r->r", dv, core if core.dtype == dv.dtype else core.to(dv.dtype))
+            dgates.append(dg if dg.dtype == gates[k].dtype else dg.to(gates[k].dtype))
+            dv = dv * (gates[k] if gates[k].dtype == dv.dtype else gates[k].to(dv.dtype))
+        dcores.append(dv if dv.dtype == core.dtype else dv.to(core.dtype))
     return dcores, dgates
 
 
@@ -271,7 +267,7 @@ def xlr_backward(x2: torch.Tensor, dy: torch.Tensor, L: torch.Tensor, R: torch.T
 
 
 def _einsum(eq: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.einsum(eq, a.to(dtype), b.to(dtype))
+    return torch.einsum(eq, a if a.dtype == dtype else a.to(dtype), b if b.dtype == dtype else b.to(dtype))
 
 
 def _leaf_views(plan: Plan, x2: torch.Tensor, views: Sequence[torch.Tensor], row_modes, rows: int) -> dict:
