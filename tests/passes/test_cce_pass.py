@@ -1,0 +1,185 @@
+"""passes/cce.py: every LM-head + cross-entropy pattern is fused (explain shows "cce") and matches eager;
+every unsupported variant is left alone, with a reason, and still matches eager."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import comera_compile as cc
+
+V, D = 37, 12
+
+
+class Head(nn.Module):
+    """h -> projection -> chain -> loss, selected by `variant`."""
+
+    def __init__(self, variant, bias=False):
+        super().__init__()
+        self.variant = variant
+        self.body = nn.Linear(D, D)
+        self.lm_head = nn.Linear(D, V, bias=bias)
+        self.loss_mod = nn.CrossEntropyLoss(reduction="sum")
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(x))  # [B, T, D]
+        v = self.variant
+        W = self.lm_head.weight
+        if v == "linear_mean":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), y.view(-1))
+        if v == "module_sum":
+            return self.loss_mod(self.lm_head(h).reshape(-1, V), y.reshape(-1))
+        if v == "matmul_T":
+            return F.cross_entropy((h @ W.T).flatten(0, 1), y.flatten())
+        if v == "matmul_t_bias":
+            return F.cross_entropy((h @ W.t() + self.lm_head.bias).view(-1, V), y.view(-1))
+        if v == "torch_matmul_transpose":
+            return F.cross_entropy(torch.matmul(h, W.transpose(0, 1)).view(-1, V), y.view(-1))
+        if v == "shift":
+            logits = self.lm_head(h)
+            return F.cross_entropy(logits[..., :-1, :].reshape(-1, V), y[..., 1:].reshape(-1))
+        if v == "shift_upcast_softcap":
+            logits = self.lm_head(h)
+            logits = torch.tanh(logits / 3.0) * 3.0
+            return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, V), y[:, 1:].reshape(-1))
+        if v == "log_softmax_nll":
+            lp = F.log_softmax(self.lm_head(h).view(-1, V), dim=-1)
+            return F.nll_loss(lp, y.view(-1), reduction="sum")
+        if v == "none":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), y.view(-1), reduction="none")
+        if v == "ignore_custom":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), y.clamp(min=0).view(-1), ignore_index=5)
+        if v == "label_smoothing":
+            return F.cross_entropy(self.lm_head(h).view(-1, V), y.view(-1), label_smoothing=0.1)
+        if v == "linear_cross_entropy":
+            return F.linear_cross_entropy(h.reshape(-1, D), W, y.reshape(-1))
+        # --- unsupported variants -------------------------------------------------------------
+        if v == "logits_returned":
+            logits = self.lm_head(h)
+            return F.cross_entropy(logits.view(-1, V), y.view(-1)), logits
+        if v == "class_weights":
+            w = torch.linspace(0.5, 1.5, V)
+            return F.cross_entropy(self.lm_head(h).view(-1, V), y.view(-1), weight=w)
+        if v == "vocab_slice":
+            return F.cross_entropy(self.lm_head(h)[..., : V - 2].reshape(-1, V - 2), y.view(-1) % (V - 2))
+        if v == "prob_targets":
+            p = F.softmax(torch.randn(y.numel(), V, generator=torch.Generator().manual_seed(0)), -1)
+            return F.cross_entropy(self.lm_head(h).view(-1, V), p)
+        if v == "class_dim_1":
+            return F.cross_entropy(self.lm_head(h).transpose(1, 2), y)
+        raise AssertionError(v)
+
+
+FUSED = ["linear_mean", "module_sum", "matmul_T", "matmul_t_bias", "torch_matmul_transpose", "shift",
+         "shift_upcast_softcap", "log_softmax_nll", "none", "ignore_custom", "label_smoothing"]
+if hasattr(F, "linear_cross_entropy"):
+    FUSED.append("linear_cross_entropy")
+UNSUPPORTED = {
+    "logits_returned": "other users",
+    "class_weights": "class weights",
+    "vocab_slice": "vocabulary dimension",
+    "prob_targets": "class indices",
+    "class_dim_1": "class dimension must be last",
+}
+
+
+def _inputs(seed, batch=2, seq=7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, D, generator=g)
+    y = torch.randint(0, V, (batch, seq), generator=g)
+    y[0, 2] = -100
+    y[1, 1] = 5
+    y[1, 3] = 3
+    return x, y
+
+
+def _run(model, x, y):
+    model.zero_grad(set_to_none=True)
+    out = model(x, y)
+    loss = out[0] if isinstance(out, tuple) else out
+    (loss.sum() if loss.dim() else loss).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check(variant, inner="aot_eager", dynamic=False, bias=None):
+    torch.manual_seed(0)
+    model = Head(variant, bias=variant == "matmul_t_bias" if bias is None else bias)
+    ref = copy.deepcopy(model)
+    x, y = _inputs(1)
+    ref_out, ref_grads = _run(ref, x, y)
+    compiled = torch.compile(model, backend="comera", dynamic=dynamic, options={"inner": inner})
+    out, _ = _run(compiled, x, y)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    torch._dynamo.reset()
+    return cc.explain(copy.deepcopy(ref), x, y, options={"inner": "eager"})
+
+
+@pytest.mark.parametrize("variant", FUSED)
+def test_pattern_fused_and_matches_eager(variant):
+    report = _check(variant)
+    kinds = [r.kind for r in report.rewrites]
+    assert kinds == ["cce"], (variant, str(report))
+    assert report.rewrites[0].module in ("lm_head", None)
+    code = report.graphs[0].code
+    assert "comera.linear_cross_entropy" in code
+    assert "cross_entropy(" not in code.replace("linear_cross_entropy", "")
+    assert "nll_loss" not in code
+
+
+@pytest.mark.parametrize("variant", list(UNSUPPORTED))
+def test_unsupported_left_alone_with_reason(variant):
+    report = _check(variant)
+    assert report.rewrites == []
+    reasons = [s.reason for s in report.skipped if s.kind == "cce"]
+    assert reasons and UNSUPPORTED[variant] in reasons[0], reasons
+    assert "comera.linear_cross_entropy" not in report.graphs[0].code
+
+
+def test_tied_embedding_gpt_inductor_dynamic():
+    import sys, os
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from zoo import GPT, loss_and_grads
+
+    model = GPT()
+    ref = copy.deepcopy(model)
+    (idx,) = GPT.example(seed=4)
+    ref_loss, ref_grads = loss_and_grads(ref, [idx])
+    loss, grads = loss_and_grads(torch.compile(model, backend="comera", dynamic=True), [idx], params_of=model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
+    report = cc.explain(copy.deepcopy(ref), idx, options={"inner": "eager"})
+    assert [r.kind for r in report.rewrites] == ["cce"]
+
+
+def test_pass_can_be_switched_off():
+    x, y = _inputs(2)
+    report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", "passes": {"cce": False}})
+    assert report.rewrites == [] and "comera.linear_cross_entropy" not in report.graphs[0].code
+
+
+def test_min_vocab_option_leaves_small_heads():
+    x, y = _inputs(3)
+    report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", "cce_min_vocab": 1000})
+    assert report.rewrites == [] and "cce_min_vocab" in report.skipped[0].reason
+
+
+def test_no_grad_inference():
+    model = Head("shift")
+    x, y = _inputs(5)
+    with torch.no_grad():
+        ref = model(x, y)
+        out = torch.compile(model, backend="comera", options={"inner": "aot_eager"})(x, y)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_backward_option_reaches_the_op():
+    x, y = _inputs(6)
+    report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", "cce_backward": "exact"})
+    assert "'exact'" in report.graphs[0].code
