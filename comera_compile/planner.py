@@ -499,6 +499,12 @@ def _cost_tree(net: _Net, tree, dtype_bytes: int, fused_ok: bool) -> dict:
                 dense=dense, recomputed=tuple(recomputed))
 
 
+def _has_subtree(tree, leaves: frozenset) -> bool:
+    if isinstance(tree, str):
+        return len(leaves) == 1 and tree in leaves
+    return _leaves(tree) == leaves or _has_subtree(tree[0], leaves) or _has_subtree(tree[1], leaves)
+
+
 def _forward_flops(net: _Net, tree) -> int:
     if isinstance(tree, str):
         return 0
@@ -543,11 +549,13 @@ def _plan_linear_cached(fmt: str, row_modes: tuple, col_modes: tuple, ranks: tup
 
     # prune: a tree whose forward FLOPs are far above the best one's cannot win (the backward
     # roughly doubles every token-sized step); the dense tree is always costed, for the record
+    all_cores = frozenset(cores)
     fwd = {key: _forward_flops(net, tree) for key, (_, tree, _) in cands.items()}
-    floor = min(fwd.values())
+    dense = {key: _has_subtree(tree, all_cores) for key, (_, tree, _) in cands.items()}
+    floor = min(f for key, f in fwd.items() if allow_dense or not dense[key])
     costed = []
     for key, (name, tree, split) in cands.items():
-        if fwd[key] > 8 * floor and not name.startswith("dense"):
+        if fwd[key] > 8 * floor and not dense[key]:
             continue
         costed.append((name, tree, split, _cost_tree(net, tree, dtype_bytes, fused_ok)))
     allowed = [x for x in costed if allow_dense or not x[3]["dense"]]
