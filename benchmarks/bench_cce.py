@@ -167,6 +167,56 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms):
     return res
 
 
+def _set_tuning(spec):
+    from comera_compile.kernels import linear_cross_entropy as lce_mod
+
+    for kv in filter(None, spec.split(",")):
+        k, v = kv.split("=")
+        cur = getattr(lce_mod._TUNING, k)
+        setattr(lce_mod._TUNING, k, type(cur)(v))
+
+
+def fwd_sweep(x, w, t, specs, flops):
+    import dataclasses
+
+    from triton.testing import do_bench
+
+    from comera_compile.kernels import linear_cross_entropy as lce_mod
+
+    saved = dataclasses.replace(lce_mod._TUNING)
+    for spec in specs.split(";"):
+        _set_tuning(spec)
+        try:
+            with torch.no_grad():
+                lce_mod.linear_cross_entropy(x, w, t)
+                ms = do_bench(lambda: lce_mod.linear_cross_entropy(x, w, t), warmup=50, rep=200,
+                              return_mode="median")
+            print(f"fwd-sweep {spec}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"fwd-sweep {spec}: error {type(e).__name__}: {str(e)[:200]}", flush=True)
+        lce_mod._TUNING = dataclasses.replace(saved)
+
+
+def profile(fns, x, w, t):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for name, fn in fns.items():
+        if not name.startswith("ours"):
+            continue
+        xr = x.detach().requires_grad_()
+        wr = w.detach().requires_grad_()
+        for _ in range(2):
+            torch.autograd.grad(fn(xr, wr, t), (xr, wr))
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(fn(xr, wr, t), (xr, wr))
+            torch.cuda.synchronize()
+        print(f"-- profile {name}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60),
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="gemma,llama")
@@ -174,13 +224,13 @@ def main():
     ap.add_argument("--methods", default="eager,compile,cce,liger,ours")
     ap.add_argument("--rep-ms", type=int, default=1000)
     ap.add_argument("--tuning", default="", help="k=v,... overrides of _TUNING for ours")
+    ap.add_argument("--profile", action="store_true", help="kernel breakdown of ours (profiler)")
+    ap.add_argument("--fwd-sweep", default="", help="tunings separated by ';' to time ours' forward")
     args = ap.parse_args()
 
     from comera_compile.kernels import linear_cross_entropy as lce_mod
 
-    for kv in filter(None, args.tuning.split(",")):
-        k, v = kv.split("=")
-        setattr(lce_mod._TUNING, k, int(v))
+    _set_tuning(args.tuning)
     print("torch", torch.__version__, "| device", torch.cuda.get_device_name(), "| tuning",
           lce_mod._TUNING, flush=True)
     outdir = os.environ.get("OUT", ".")
@@ -194,6 +244,10 @@ def main():
             ref = reference(x, w, t)
             print(f"== {shape} (N,D,V)=({N},{D},{V}) case={case} ref loss={float(ref[0]):.4f} "
                   f"floor={floor_ms:.1f} ms", flush=True)
+            if args.fwd_sweep and not results:
+                fwd_sweep(x, w, t, args.fwd_sweep, 2 * N * D * V)
+            if args.profile:
+                profile(fns, x, w, t)
             for name, fn in fns.items():
                 try:
                     r = run_one(name, fn, x, w, t, ref, floor_ms, args.rep_ms)

@@ -777,6 +777,7 @@ def _lce_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss fp32, lse fp32 [N], softcapped target logit fp32 [N], saved for backward)."""
     V = weight.shape[0]
+    target = target.contiguous()
     _check_targets(target, V, ignore_index)
     valid = target != ignore_index
     if _use_triton(impl, x):
@@ -809,6 +810,7 @@ def _lce_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); an output that is not needed comes back empty."""
     V = weight.shape[0]
+    target = target.contiguous()
     need_db = need_db and bias is not None
     valid = target != ignore_index
     zero = torch.zeros((), device=x.device, dtype=torch.float32)
