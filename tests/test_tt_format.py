@@ -239,6 +239,19 @@ def test_tt_svd_tolerance_picks_ranks():
     assert err <= 1e-3
     _, err_tight = tt.tt_svd(noisy, spec0, tol=0.0)
     assert err_tight < 1e-12
+    # On a full-rank random matrix: the error stays within the tolerance and ranks fall as it grows.
+    dense = torch.randn(48, 40, dtype=torch.float64)
+    for fmt, row_modes, col_modes in (("tt", (4, 3, 4), (2, 4, 5)), ("ttm", (4, 3, 4), (2, 4, 5))):
+        sizes = tt.core_sizes(fmt, row_modes, col_modes)
+        spec = TTSpec(fmt, row_modes, col_modes,
+                      tt.cap_ranks(sizes, tt.normalize_ranks(10_000, len(sizes))), 48, 40)
+        previous = None
+        for tol in (0.05, 0.2, 0.5, 0.8):
+            got, err = tt.tt_svd(dense, spec, tol=tol)
+            params = tt.count_params([c.shape for c in got])
+            assert err <= tol
+            assert previous is None or params <= previous
+            previous = params
     # The cap still applies under a tolerance.
     got, err = tt.tt_svd(noisy, spec0.with_ranks((1, 1, 1, 1, 1)), tol=1e-9)
     assert all(c.shape[0] == 1 for c in got) and err > 1e-3
