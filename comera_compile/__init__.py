@@ -16,6 +16,18 @@ from comera_compile.options import CompileOptions, OptionsError  # noqa: E402
 from comera_compile.pass_manager import PassContext, list_passes, register_pass, unregister_pass  # noqa: E402
 from comera_compile.report import Report, RewriteRecord, SkipRecord  # noqa: E402
 from comera_compile.fx_utils import RewriteRejected, checked_replace  # noqa: E402
+from comera_compile.tensorize import (  # noqa: E402
+    TTConfig,
+    compression_report,
+    densify_,
+    iter_tt_layers,
+    tensorize_,
+)
+from comera_compile.planner import plan_tt_embedding, plan_tt_linear  # noqa: E402
+from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from comera_compile.kernels.tt_embedding import tt_embedding  # noqa: E402
+from comera_compile.kernels.tt_linear import tt_linear  # noqa: E402
+from comera_compile.kernels.tt_materialize import tt_materialize  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -27,13 +39,24 @@ __all__ = [
     "RewriteRecord",
     "RewriteRejected",
     "SkipRecord",
+    "TTConfig",
     "checked_replace",
     "comera_backend",
     "compile",
+    "compression_report",
+    "densify_",
     "explain",
+    "iter_tt_layers",
+    "linear_cross_entropy",
     "list_passes",
     "logger",
+    "plan_tt_embedding",
+    "plan_tt_linear",
     "register_pass",
+    "tensorize_",
+    "tt_embedding",
+    "tt_linear",
+    "tt_materialize",
     "unregister_pass",
 ]
 
