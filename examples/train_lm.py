@@ -215,7 +215,7 @@ class Progress:
 
     def __init__(self, total: int, log_every: int | None, enabled: bool = True):
         self.total = total
-        self.log_every = log_every or max(1, total // 15)
+        self.log_every = log_every or _round_interval(total // 15)
         self.bar = None
         if enabled:
             try:
@@ -241,6 +241,16 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _round_interval(n: int) -> int:
+    """The nearest of 1, 2, 5, 10, 20, 50, ... at or above ``n`` (log lines at round step numbers)."""
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale >= n:
+                return m * scale
+        scale *= 10
 
 
 @torch.no_grad()
