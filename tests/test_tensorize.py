@@ -1,7 +1,6 @@
 """tensorize_ / densify_ / compression_report / iter_tt_layers (comera_compile/tensorize.py)."""
 
 import copy
-import math
 
 import pytest
 import torch
