@@ -598,7 +598,8 @@ def tt_svd(
     whose discarded tail stays below ``tol * ||M|| / sqrt(d - 1)`` (Oseledets' bound, so the total
     relative error is at most ``tol`` unless the cap binds: the cap wins, and the error says so).
     Runs on ``matrix.device`` in at least float32; the cores come back in ``matrix.dtype`` with
-    balanced norms (gates at 1). Returns ``(cores, rel_error)`` where ``rel_error = ||M_tt - M|| / ||M||`` on the logical matrix (the padding cropped away).
+    balanced norms (gates at 1). Returns ``(cores, rel_error)`` where
+    ``rel_error = ||M_tt - M|| / ||M||`` on the logical matrix (the padding cropped away).
     """
     if tuple(matrix.shape) != (spec.rows, spec.cols):
         raise ValueError(f"matrix has shape {tuple(matrix.shape)}, expected {(spec.rows, spec.cols)}")
