@@ -29,7 +29,7 @@ import torch
 
 from comera_compile.planner import EmbeddingPlan, core_ranks, plan_tt_embedding, token_bucket
 
-from .tt_linear import _check_meta, _uncanonical, _use_triton, canonical, gated_core_grads, gated_core_views, merge_dtype
+from .tt_linear import _check_meta, _einsum, _uncanonical, _use_triton, canonical, gated_core_grads, gated_core_views, merge_dtype
 
 try:
     import triton
@@ -173,7 +173,7 @@ def _plan(indices, cores, fmt, row_modes, col_modes) -> EmbeddingPlan:
 def _tables(plan: EmbeddingPlan, cores, gates, mdtype):
     env = {f"G{k + 1}": v for k, v in enumerate(gated_core_views(cores, gates, mdtype))}
     for s in plan.steps_in("merge"):
-        env[s.out] = torch.einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]])
+        env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
     a, b = plan.tables
     A = canonical(plan, a, env[a]).reshape(plan.table_shapes[0])
     B = canonical(plan, b, env[b]).reshape(plan.table_shapes[1])
@@ -229,7 +229,7 @@ def _backward_impl(grad, indices, cores, gates, fmt, row_modes, col_modes, rows,
     env["d" + a] = _uncanonical(plan, a, dA.to(mdtype).reshape(canonical(plan, a, env[a]).shape))
     env["d" + b] = _uncanonical(plan, b, dB.to(mdtype).reshape(canonical(plan, b, env[b]).shape))
     for s in plan.steps_in("merge_backward"):
-        env[s.out] = torch.einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]])
+        env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
     dcores, dgates = gated_core_grads(cores, gates, [env[f"dG{k + 1}"] for k in range(len(cores))])
     return dcores + dgates
 

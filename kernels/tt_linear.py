@@ -26,6 +26,7 @@ Nothing in the op reads device values on the host, so it can be captured in a CU
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from typing import Optional, Sequence
@@ -100,7 +101,8 @@ def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor
     for k, (core, dv) in enumerate(zip(cores, dviews)):
         dv = dv.reshape(core.shape)
         if k < d - 1:
-            dg = torch.einsum("...r,...r->r", dv, core if core.dtype == dv.dtype else core.to(dv.dtype))
+            r = core.shape[-1]
+            dg = (dv.reshape(-1, r) * (core if core.dtype == dv.dtype else core.to(dv.dtype)).reshape(-1, r)).sum(0)
             dgates.append(dg if dg.dtype == gates[k].dtype else dg.to(gates[k].dtype))
             dv = dv * (gates[k] if gates[k].dtype == dv.dtype else gates[k].to(dv.dtype))
         dcores.append(dv if dv.dtype == core.dtype else dv.to(core.dtype))
@@ -266,8 +268,26 @@ def xlr_backward(x2: torch.Tensor, dy: torch.Tensor, L: torch.Tensor, R: torch.T
 # ----------------------------------------------------------------------------- plan execution
 
 
+@functools.lru_cache(maxsize=4096)
+def _pair_program(eq: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """tensordot dims and the output permutation of a pairwise contraction ``"ab,bc->ac"``.
+
+    In a TT chain every index belongs to exactly two tensors, so a pairwise step has no batch
+    indices: one ``tensordot`` (one GEMM) and a permuted view of its result."""
+    ins, out = eq.split("->")
+    ia, ib = ins.split(",")
+    shared = [s for s in ia if s in ib]
+    assert not any(s in out for s in shared), f"batch index in {eq}"
+    free = [s for s in ia if s not in shared] + [s for s in ib if s not in shared]
+    return (tuple(ia.index(s) for s in shared), tuple(ib.index(s) for s in shared),
+            tuple(free.index(s) for s in out))
+
+
 def _einsum(eq: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.einsum(eq, a if a.dtype == dtype else a.to(dtype), b if b.dtype == dtype else b.to(dtype))
+    a = a if a.dtype == dtype else a.to(dtype)
+    b = b if b.dtype == dtype else b.to(dtype)
+    da, db, perm = _pair_program(eq)
+    return torch.tensordot(a, b, dims=(list(da), list(db))).permute(perm)
 
 
 def _leaf_views(plan: Plan, x2: torch.Tensor, views: Sequence[torch.Tensor], row_modes, rows: int) -> dict:
