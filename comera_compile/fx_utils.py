@@ -126,9 +126,11 @@ def checked_replace(old: fx.Node, new: fx.Node, erase: Sequence[fx.Node] = ()) -
     expected = fake(old)
     created = _new_nodes_feeding(new, old)
     try:
+        if expected is None:
+            raise RewriteRejected(f"{old.name} has no fake value to check the replacement against")
         for node in created:  # topological order
             node.meta["example_value"] = fake_node(node)
-        problem = same_meta(fake(new), expected) if expected is not None else None
+        problem = same_meta(fake(new), expected)
     except RewriteRejected:
         _erase_all(graph, created)
         raise
