@@ -184,6 +184,9 @@ def fwd_sweep(x, w, t, specs, flops):
     from comera_compile.kernels import linear_cross_entropy as lce_mod
 
     saved = dataclasses.replace(lce_mod._TUNING)
+    ms = do_bench(lambda: lce_mod._triton_forward(x, w, t, None, 0.0, 0.0), warmup=50, rep=200,
+                  return_mode="median")
+    print(f"fwd raw kernel+combine: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
     for spec in specs.split(";"):
         _set_tuning(spec)
         try:

@@ -72,6 +72,7 @@ class _Tuning:
     tgt_block: int = 16
     tile_budget_bytes: int = 44 << 20
     dense_budget_bytes: int = 64 << 20
+    dense_block_n: int = 256
     dense_after_rounds: int = 4
     dense_density: float = 0.3
     ref_chunk_bytes: int = 64 << 20
@@ -183,7 +184,7 @@ if _HAS_TRITON:
     def _grad_tile_kernel(
         X, W, Bias, Order, LSE, PCoef, SCoef, TPos, TCoef, G, GCol, Slot, Counter,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
-        capacity, vb_start, nvb_range, num_tb, ld_g,
+        capacity, col_start, nvb_range, num_tb, ld_g,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
@@ -209,11 +210,10 @@ if _HAS_TRITON:
             if tl.atomic_add(Counter, 0) >= capacity:
                 tl.store(slot_ptr, -2)
                 return
-        vb = vb_start + vbl
         offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N
         rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
-        pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos = col_start + vbl * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = pos < V
         pos_c = tl.where(mask_n, pos, 0)
         if HAS_ORDER:
@@ -530,7 +530,7 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
     db = torch.empty((V,), device=dev, dtype=bias.dtype) if need_db else None
     dummy = lse
     order_arg = order if order is not None else tpos
-    common = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_V=cfg.group_v, EVEN_K=D % BK == 0,
+    common = dict(BLOCK_M=BM, BLOCK_K=BK, GROUP_V=cfg.group_v, EVEN_K=D % BK == 0,
                   DOT_PRECISION=_dot_precision(x.dtype), HAS_BIAS=bias is not None,
                   HAS_SOFTCAP=has_softcap, SMOOTH_IN_TILE=smooth_in_tile, FILTER=filt,
                   HAS_ORDER=order is not None, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
@@ -553,28 +553,32 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
             tok_ptr = torch.searchsorted(tok_pos, torch.arange(nvb + 1, **i32) * BN).to(torch.int32)
         cons = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, HAS_ORDER=True,
                     num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
+        dense_streak = 0
         while vb_start < nvb:
             nvr = nvb - vb_start
             counter.zero_()
             _grad_tile_kernel[(num_tb * nvr,)](
                 x, weight, bias_arg, order, lse, pcoef, dummy, tpos, tcoef, G, gcol, slot_map,
                 counter, N, V, D, *strides, float(softcap), float(filter_eps),
-                capacity, vb_start, nvr, num_tb, 0, DYNAMIC=True, **common)
+                capacity, vb_start * BN, nvr, num_tb, 0, BLOCK_N=BN, DYNAMIC=True, **common)
             sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
             unresolved = (sm == -2).any(0)
-            done = int(torch.where(unresolved.any(), unresolved.int().argmax(), nvr))
+            done_t = torch.where(unresolved.any(), unresolved.int().argmax(), nvr)
+            kept_cum = torch.cumsum((sm >= 0).sum(0), 0)
+            done, n_kept = torch.stack(  # the one host sync of a round
+                [done_t, torch.where(done_t > 0, kept_cum[(done_t - 1).clamp_min(0)], 0)]).tolist()
             if done == 0:  # not even one block column fitted: the rest goes dense
                 break
             rounds += 1
-            kept = sm[:, :done] >= 0
-            idx = kept.nonzero()
-            n_kept = idx.shape[0]
             kept_total += n_kept
+            kept = sm[:, :done] >= 0
             if need_dx:
+                # kept tiles first, in row-major (token block, vocabulary block) order
+                rm = torch.argsort((~kept).view(-1).to(torch.int8), stable=True)
                 row_ptr = torch.zeros((num_tb + 1,), **i32)
                 row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
-                tile_vb = idx[:, 1].to(torch.int32).contiguous()
-                tile_slot = sm[idx[:, 0], idx[:, 1]].contiguous()
+                tile_vb = (rm % done).to(torch.int32)
+                tile_slot = sm[:, :done].reshape(-1)[rm]
                 _dx_kernel[(num_tb, _cdiv(D, BD))](
                     G, weight, order, row_ptr, tile_vb, tile_slot, tgt_safe, tpos, tcoef, scoef,
                     wcolsum if wcolsum is not None else dummy, dx,
@@ -582,11 +586,12 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
                     vb_start, vb_start * BN, (vb_start + done) * BN,
                     SMOOTH_TERMS=smooth_vec and rounds == 1, LOAD_PREV=rounds > 1, **cons)
             if need_dw or need_db:
-                idx_t = kept.t().nonzero()
+                kept_t = kept.t().contiguous()
+                cm = torch.argsort((~kept_t).view(-1).to(torch.int8), stable=True)
                 col_ptr = torch.zeros((done + 1,), **i32)
-                col_ptr[1:] = torch.cumsum(kept.sum(0), 0)
-                tile_tb = idx_t[:, 1].to(torch.int32).contiguous()
-                tile_slot_t = sm[idx_t[:, 1], idx_t[:, 0]].contiguous()
+                col_ptr[1:] = torch.cumsum(kept_t.sum(1), 0)
+                tile_tb = (cm % num_tb).to(torch.int32)
+                tile_slot_t = sm[:, :done].t().reshape(-1)[cm]
                 _dw_kernel[(done, _cdiv(D, BD) if need_dw else 1)](
                     G, gcol, x, order, col_ptr, tile_tb, tile_slot_t, tok_ptr, toks, tok_pos,
                     tcoef, xsmooth if xsmooth is not None else dummy,
@@ -597,8 +602,11 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
                     BLOCK_T=BT, HAS_BIAS=need_db, HAS_SMOOTH_VEC=smooth_vec, HAS_DW=need_dw,
                     **cons)
             vb_start += done
-            density = n_kept / (num_tb * done)
-            if density > cfg.dense_density or rounds >= cfg.dense_after_rounds:
+            # Filtering does not pay when rounds keep most tiles: finish with dense chunks. The
+            # first blocks (the most frequent words) are often dense, so one dense round is not
+            # enough to give up.
+            dense_streak = dense_streak + 1 if n_kept > cfg.dense_density * num_tb * done else 0
+            if dense_streak >= 2 or rounds >= cfg.dense_after_rounds:
                 break
         del G, gcol
 
@@ -613,17 +621,18 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
                     acc.addr_(scoef, wcolsum, alpha=-1.0)
             else:
                 acc = dx.float()
-        width = max(BN, cfg.dense_budget_bytes // max(1, N * elem) // BN * BN)
-        width = min(width, _cdiv(V - p0, BN) * BN)
+        BND = cfg.dense_block_n
+        width = max(BND, cfg.dense_budget_bytes // max(1, N * elem) // BND * BND)
+        width = min(width, _cdiv(V - p0, BND) * BND)
         Gd = torch.empty((N, width), device=dev, dtype=gdtype)
         for c0 in range(p0, V, width):
             c1 = min(c0 + width, V)
-            nvr = _cdiv(c1 - c0, BN)
+            nvr = _cdiv(c1 - c0, BND)
             dense_rounds += 1
             _grad_tile_kernel[(num_tb * nvr,)](
                 x, weight, bias_arg, order_arg, lse, pcoef, scoef, tpos, tcoef, Gd, dummy, tpos,
                 tpos, N, V, D, *strides, float(softcap), float(filter_eps),
-                0, c0 // BN, nvr, num_tb, width, DYNAMIC=False, **common)
+                0, c0, nvr, num_tb, width, BLOCK_N=BND, DYNAMIC=False, **common)
             gc = Gd[:, : c1 - c0]
             cols = order[c0:c1].long() if order is not None else None
             if need_dx:

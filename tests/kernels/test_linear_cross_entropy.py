@@ -94,7 +94,7 @@ def small_tiles(monkeypatch):
     """Shrink tiles and buffers so that small problems take every multi-tile path."""
     tun = dataclasses.replace(lce._TUNING, fwd_block_m=16, fwd_block_n=32, fwd_block_k=16,
                               bwd_block_m=16, bwd_block_n=16, bwd_block_k=16, cons_block_d=16,
-                              group_v=2, fwd_group_m=2)
+                              group_v=2, fwd_group_m=2, dense_block_n=32)
     monkeypatch.setattr(lce, "_TUNING", tun)
     return tun
 
