@@ -16,7 +16,9 @@ from comera_compile.options import CompileOptions, OptionsError  # noqa: E402
 from comera_compile.pass_manager import PassContext, list_passes, register_pass, unregister_pass  # noqa: E402
 from comera_compile.report import Report, RewriteRecord, SkipRecord  # noqa: E402
 from comera_compile.fx_utils import RewriteRejected, checked_replace  # noqa: E402
+from comera_compile.tt import TTSpec  # noqa: E402
 from comera_compile.tensorize import (  # noqa: E402
+    CompressionReport,
     TTConfig,
     compression_report,
     densify_,
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompileOptions",
+    "CompressionReport",
     "OptionsError",
     "PassContext",
     "Report",
@@ -40,6 +43,7 @@ __all__ = [
     "RewriteRejected",
     "SkipRecord",
     "TTConfig",
+    "TTSpec",
     "checked_replace",
     "comera_backend",
     "compile",
