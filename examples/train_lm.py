@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = GPT(data.tokenizer.vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads, args.dropout)
     model.to(device)
+    dense_params = sum(p.numel() for p in model.parameters())
     compress(model, args)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(cc.explain(compiled, example.to(device), example.to(device)))
 
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "device": str(device), "parameters": n_params, "steps": [], "evals": []}
+           "device": str(device), "dense_parameters": dense_params, "parameters": n_params, "steps": [], "evals": []}
     generator = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args.steps, args.log_every, enabled=not args.no_progress)

@@ -77,6 +77,16 @@ def test_comera_matches_eager_first_steps():
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.skipif(not hasattr(train_lm.cc, "tensorize_"), reason="comera_compile.tensorize_ (issue 4) not available")
+def test_train_tensorized_comera(tmp_path):
+    out = tmp_path / "tt.json"
+    args = TINY + ["--d-model", "64", "--tensorize", "4", "--backend", "comera",
+                   "--compile-options", '{"inner": "aot_eager"}', "--out", str(out)]
+    log = train_lm.main(args)
+    _check_training_log(log, out)
+    assert log["parameters"] < log["dense_parameters"]
+
+
 def test_corpus_is_deterministic_and_split_by_file():
     a = data.load_stdlib_corpus(max_bytes=1_000_000)
     b = data.load_stdlib_corpus(max_bytes=1_000_000)
