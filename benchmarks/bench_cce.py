@@ -147,6 +147,8 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms):
     stats = getattr(lce_mod, "_LAST_STATS", None)
     if name.startswith("ours") and stats:
         res["stats"] = {k: (v if isinstance(v, (int, float)) else float(v)) for k, v in stats.items()}
+        if lce_mod._SPARSE_BROKEN:
+            res["sparse_broken"] = lce_mod._SPARSE_BROKEN[0]
     del loss, gx, gw
     gc.collect()
     torch.cuda.synchronize()

@@ -73,6 +73,7 @@ class _Tuning:
     tile_budget_bytes: int = 44 << 20
     dense_budget_bytes: int = 64 << 20
     dense_block_n: int = 256
+    sparse_programs_per_sm: int = 2
     dense_after_rounds: int = 4
     dense_density: float = 0.3
     ref_chunk_bytes: int = 64 << 20
@@ -83,6 +84,7 @@ _TUNING = _Tuning()
 # Bookkeeping of the last Triton backward (tensors, read them only after synchronizing):
 # rounds, tiles (total tile count), kept (tiles whose gradient was not filtered out).
 _LAST_STATS: dict = {}
+_SPARSE_BROKEN: list = []  # set when the persistent sparse kernel failed to build here
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
@@ -181,35 +183,27 @@ if _HAS_TRITON:
             tl.store(ZS_out + out, zs, mask=mask_m)
 
     @triton.jit
-    def _grad_tile_kernel(
-        X, W, Bias, Order, LSE, PCoef, SCoef, TPos, TCoef, G, GCol, Slot, Counter,
-        N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
-        capacity, col_start, nvb_range, num_tb, ld_g,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
-        FILTER: tl.constexpr, DYNAMIC: tl.constexpr, HAS_ORDER: tl.constexpr,
-    ):
-        """Gradient of the loss w.r.t. one tile of (softcapped) logits.
-
-        DYNAMIC (sparse): the softmax part only; kept tiles go to slots from an atomic counter,
-        Slot[tb, vbl] = slot, -1 when filtered out, -2 when it did not fit (or was not tried).
-        Dense: the whole gradient (one-hot term included) goes to row-major G [N, ld_g];
-        filtered tiles are written as zeros.
-        """
-        pid = tl.program_id(0)
+    def _tile_coords(t, nvb_range, num_tb, GROUP_V: tl.constexpr):
+        """Tile t -> (token block, vocabulary block): GROUP_V vocabulary blocks at a time, so
+        that the tiles in flight share a few W tiles and a few x blocks (both stay in L2)."""
         per_group = GROUP_V * num_tb
-        group = pid // per_group
+        group = t // per_group
         first_vb = group * GROUP_V
         gsize = tl.minimum(nvb_range - first_vb, GROUP_V)
-        r = pid % per_group
-        tb = r // gsize
-        vbl = first_vb + r % gsize
-        slot_ptr = Slot + tb.to(tl.int64) * nvb_range + vbl
-        if DYNAMIC:
-            if tl.atomic_add(Counter, 0) >= capacity:
-                tl.store(slot_ptr, -2)
-                return
+        r = t % per_group
+        return r // gsize, first_vb + r % gsize
+
+    @triton.jit
+    def _grad_values(
+        X, W, Bias, Order, LSE, PCoef, SCoef, tb, vbl, col_start,
+        N, V, D, sxn, sxd, swv, swd, sb, softcap,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+        HAS_ORDER: tl.constexpr,
+    ):
+        """(g, p): the softmax part of d loss / d logits on one tile (no one-hot term), and the
+        unscaled softmax * softcap' that the filter looks at."""
         offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N
         rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
@@ -243,35 +237,86 @@ if _HAS_TRITON:
                 g -= tl.where(keep, sm[:, None] * dcap, 0.0)
             else:
                 g -= tl.where(keep, sm[:, None], 0.0)
-        if FILTER:
-            # NaN/inf must not be filtered away: they propagate as in eager.
-            small = tl.max(tl.abs(p)) < filter_eps
-            finite = tl.sum((g != g).to(tl.int32) + (tl.abs(g) == float("inf")).to(tl.int32)) == 0
-            if DYNAMIC:
-                if small & finite:
-                    tl.store(slot_ptr, -1)
-                    return
-            else:
-                g = tl.where(small & finite, 0.0, g)
+        return g, p
+
+    @triton.jit
+    def _is_filtered(g, p, filter_eps):
+        # NaN/inf must not be filtered away: they propagate as in eager.
+        small = tl.max(tl.abs(p)) < filter_eps
+        bad = tl.sum((g != g).to(tl.int32) + (tl.abs(g) == float("inf")).to(tl.int32))
+        return small & (bad == 0)
+
+    @triton.jit
+    def _grad_sparse_kernel(
+        X, W, Bias, Order, LSE, PCoef, SCoef, G, GCol, Slot, Counter,
+        N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
+        capacity, col_start, nvb_range, num_tb, num_programs,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+        FILTER: tl.constexpr, HAS_ORDER: tl.constexpr,
+    ):
+        """Persistent: tiles t = pid, pid + P, ... until the slot buffer is full. A kept tile
+        goes to slot = atomic counter; Slot[tb, vbl] = slot, or -1 when filtered out. Tiles not
+        visited keep the -2 the host wrote (so do the ones that found the buffer full)."""
+        total = num_tb * nvb_range
+        t = tl.program_id(0)
+        used = tl.atomic_add(Counter, 0)
+        offs_bm = tl.arange(0, BLOCK_M)
         offs_bn = tl.arange(0, BLOCK_N)
-        if DYNAMIC:
-            slot = tl.atomic_add(Counter, 1)
-            if slot >= capacity:
-                tl.store(slot_ptr, -2)
-                return
-            offs_bm = tl.arange(0, BLOCK_M)
-            base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-            tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
-                     g.to(G.dtype.element_ty))
-            tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
-            tl.store(slot_ptr, slot)
-        else:
-            tp = tl.load(TPos + rows, mask=mask_m, other=-1)
-            tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
-            hit = (pos[None, :] == tp[:, None]) & mask_n[None, :]
-            g -= tl.where(hit, tc[:, None], 0.0)  # tcoef already holds softcap' at the target
-            tl.store(G + rows[:, None] * ld_g + (vbl * BLOCK_N + offs_bn)[None, :],
-                     g.to(G.dtype.element_ty), mask=mask_m[:, None])
+        while (t < total) & (used < capacity):
+            tb, vbl = _tile_coords(t, nvb_range, num_tb, GROUP_V)
+            slot_ptr = Slot + tb.to(tl.int64) * nvb_range + vbl
+            g, p = _grad_values(X, W, Bias, Order, LSE, PCoef, SCoef, tb, vbl, col_start,
+                                N, V, D, sxn, sxd, swv, swd, sb, softcap,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                                HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, HAS_ORDER)
+            skip = False
+            if FILTER:
+                skip = _is_filtered(g, p, filter_eps)
+            if skip:
+                tl.store(slot_ptr, -1)
+            else:
+                slot = tl.atomic_add(Counter, 1)
+                if slot < capacity:
+                    base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+                    tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
+                             g.to(G.dtype.element_ty))
+                    tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
+                    tl.store(slot_ptr, slot)
+            t += num_programs
+            used = tl.atomic_add(Counter, 0)
+
+    @triton.jit
+    def _grad_dense_kernel(
+        X, W, Bias, Order, LSE, PCoef, SCoef, TPos, TCoef, G,
+        N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
+        col_start, nvb_range, num_tb, ld_g,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+        FILTER: tl.constexpr, HAS_ORDER: tl.constexpr,
+    ):
+        """The whole gradient (one-hot term included) of one tile into row-major G [N, ld_g];
+        filtered tiles keep only their one-hot term."""
+        tb, vbl = _tile_coords(tl.program_id(0), nvb_range, num_tb, GROUP_V)
+        g, p = _grad_values(X, W, Bias, Order, LSE, PCoef, SCoef, tb, vbl, col_start,
+                            N, V, D, sxn, sxd, swv, swd, sb, softcap,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                            HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, HAS_ORDER)
+        if FILTER:
+            g = tl.where(_is_filtered(g, p, filter_eps), 0.0, g)
+        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < N
+        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        pos = col_start + vbl * BLOCK_N + tl.arange(0, BLOCK_N)
+        tp = tl.load(TPos + rows, mask=mask_m, other=-1)
+        tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
+        hit = (pos[None, :] == tp[:, None]) & (pos < V)[None, :]
+        g -= tl.where(hit, tc[:, None], 0.0)  # tcoef already holds softcap' at the target
+        offs_bn = tl.arange(0, BLOCK_N)
+        tl.store(G + rows[:, None] * ld_g + (vbl * BLOCK_N + offs_bn)[None, :],
+                 g.to(G.dtype.element_ty), mask=mask_m[:, None])
 
     @triton.jit
     def _dx_kernel(
@@ -331,7 +376,7 @@ if _HAS_TRITON:
         XSmooth, DW, DB, N, V, D, sxn, sxd, sdv, sdd, sdb, b_smooth, vb_start,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
         HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SMOOTH_VEC: tl.constexpr,
-        HAS_DW: tl.constexpr,
+        HAS_DW: tl.constexpr, TGT_PRECISION: tl.constexpr,
     ):
         """dW[vocab block, D chunk] = sum over kept tiles G.T @ x[rows] (+ target, smoothing terms)."""
         vbl = tl.program_id(0)
@@ -380,7 +425,7 @@ if _HAS_TRITON:
             if HAS_DW:
                 xt = tl.load(X + tok[:, None] * sxn + offs_d[None, :] * sxd,
                              mask=tmask[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                acc = tl.dot(onehot, xt, acc, input_precision="ieee")
+                acc = tl.dot(onehot, xt, acc, input_precision=TGT_PRECISION)
             if HAS_BIAS:
                 bacc += tl.sum(onehot, 1)
         if HAS_SMOOTH_VEC:
@@ -504,7 +549,7 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
     smooth = label_smoothing > 0.0
     smooth_in_tile = smooth and has_softcap  # not a rank-one term then: keep it in the tiles
     filt = not exact and not smooth_in_tile and filter_eps > 0.0
-    sparse = filt and not deterministic
+    sparse = filt and not deterministic and len(_SPARSE_BROKEN) == 0
     order = _vocab_order(x, weight, bias) if sparse else None
     gdtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
     elem = torch.finfo(gdtype).bits // 8
@@ -557,10 +602,18 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
         while vb_start < nvb:
             nvr = nvb - vb_start
             counter.zero_()
-            _grad_tile_kernel[(num_tb * nvr,)](
-                x, weight, bias_arg, order, lse, pcoef, dummy, tpos, tcoef, G, gcol, slot_map,
-                counter, N, V, D, *strides, float(softcap), float(filter_eps),
-                capacity, vb_start * BN, nvr, num_tb, 0, BLOCK_N=BN, DYNAMIC=True, **common)
+            slot_map[: num_tb * nvr].fill_(-2)
+            progs = min(num_tb * nvr, cfg.sparse_programs_per_sm * _num_sms(dev))
+            try:
+                _grad_sparse_kernel[(progs,)](
+                    x, weight, bias_arg, order, lse, pcoef, dummy, G, gcol, slot_map,
+                    counter, N, V, D, *strides, float(softcap), float(filter_eps),
+                    capacity, vb_start * BN, nvr, num_tb, progs, BLOCK_N=BN, **common)
+            except Exception as err:  # a Triton that cannot build it: the dense path is exact
+                if rounds:
+                    raise
+                _SPARSE_BROKEN.append(repr(err)[:300])
+                break
             sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
             unresolved = (sm == -2).any(0)
             done_t = torch.where(unresolved.any(), unresolved.int().argmax(), nvr)
@@ -600,7 +653,7 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
                     dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
                     db.stride(0) if db is not None else 0, b_smooth, vb_start,
                     BLOCK_T=BT, HAS_BIAS=need_db, HAS_SMOOTH_VEC=smooth_vec, HAS_DW=need_dw,
-                    **cons)
+                    TGT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cons)
             vb_start += done
             # Filtering does not pay when rounds keep most tiles: finish with dense chunks. The
             # first blocks (the most frequent words) are often dense, so one dense round is not
@@ -629,10 +682,10 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
             c1 = min(c0 + width, V)
             nvr = _cdiv(c1 - c0, BND)
             dense_rounds += 1
-            _grad_tile_kernel[(num_tb * nvr,)](
-                x, weight, bias_arg, order_arg, lse, pcoef, scoef, tpos, tcoef, Gd, dummy, tpos,
-                tpos, N, V, D, *strides, float(softcap), float(filter_eps),
-                0, c0, nvr, num_tb, width, BLOCK_N=BND, DYNAMIC=False, **common)
+            _grad_dense_kernel[(num_tb * nvr,)](
+                x, weight, bias_arg, order_arg, lse, pcoef, scoef, tpos, tcoef, Gd,
+                N, V, D, *strides, float(softcap), float(filter_eps),
+                c0, nvr, num_tb, width, BLOCK_N=BND, **common)
             gc = Gd[:, : c1 - c0]
             cols = order[c0:c1].long() if order is not None else None
             if need_dx:
