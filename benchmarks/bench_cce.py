@@ -118,6 +118,8 @@ def methods(which):
     if "ours" in which:
         out["ours (filtered)"] = lambda x, w, t: ours(x, w, t)
         out["ours (exact)"] = lambda x, w, t: ours(x, w, t, backward="exact")
+    if "oursf" in which:
+        out["ours (filtered)"] = lambda x, w, t: ours(x, w, t)
     if "det" in which:
         out["ours (filtered, deterministic)"] = lambda x, w, t: ours(x, w, t, deterministic=True)
     return out
