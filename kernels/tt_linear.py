@@ -95,17 +95,23 @@ def gated_core_views(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor
 
 
 def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], dviews: Sequence[torch.Tensor]):
-    """Gradients of the cores and gates from the gradients of ``gated_core_views``."""
+    """Gradients of the cores and gates from the gradients of ``gated_core_views`` (the views may
+    be permuted: each result is written once, contiguous, in the parameter's dtype)."""
     d = len(cores)
     dcores, dgates = [], []
     for k, (core, dv) in enumerate(zip(cores, dviews)):
-        dv = dv.reshape(core.shape)
+        if k == 0:
+            dv = dv.unsqueeze(0)
+        if k == d - 1:
+            dv = dv.unsqueeze(-1)
+        out = torch.empty(core.shape, device=core.device, dtype=core.dtype)
         if k < d - 1:
-            r = core.shape[-1]
-            dg = (dv.reshape(-1, r) * (core if core.dtype == dv.dtype else core.to(dv.dtype)).reshape(-1, r)).sum(0)
-            dgates.append(dg if dg.dtype == gates[k].dtype else dg.to(gates[k].dtype))
-            dv = dv * (gates[k] if gates[k].dtype == dv.dtype else gates[k].to(dv.dtype))
-        dcores.append(dv if dv.dtype == core.dtype else dv.to(core.dtype))
+            c = core if core.dtype == dv.dtype else core.to(dv.dtype)
+            dgates.append((dv * c).sum(dim=tuple(range(dv.dim() - 1))).to(gates[k].dtype))
+            torch.mul(dv, gates[k] if gates[k].dtype == dv.dtype else gates[k].to(dv.dtype), out=out)
+        else:
+            out.copy_(dv)
+        dcores.append(out)
     return dcores, dgates
 
 
@@ -269,25 +275,45 @@ def xlr_backward(x2: torch.Tensor, dy: torch.Tensor, L: torch.Tensor, R: torch.T
 
 
 @functools.lru_cache(maxsize=4096)
-def _pair_program(eq: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """tensordot dims and the output permutation of a pairwise contraction ``"ab,bc->ac"``.
+def _pair_program(eq: str):
+    """How to run a pairwise contraction ``"ab,bc->ac"`` as one matrix product.
 
     In a TT chain every index belongs to exactly two tensors, so a pairwise step has no batch
-    indices: one ``tensordot`` (one GEMM) and a permuted view of its result."""
+    indices: A as [free_a, shared], B as [shared, free_b], one GEMM, and a permuted view of the
+    result. Returns (a_free, shared, b_free, output permutation of a_free + b_free)."""
     ins, out = eq.split("->")
     ia, ib = ins.split(",")
-    shared = [s for s in ia if s in ib]
+    shared = "".join(s for s in ia if s in ib)
     assert not any(s in out for s in shared), f"batch index in {eq}"
-    free = [s for s in ia if s not in shared] + [s for s in ib if s not in shared]
-    return (tuple(ia.index(s) for s in shared), tuple(ib.index(s) for s in shared),
-            tuple(free.index(s) for s in out))
+    fa = "".join(s for s in ia if s not in shared)
+    fb = "".join(s for s in ib if s not in shared)
+    free = fa + fb
+    return ia, ib, fa, shared, fb, tuple(free.index(s) for s in out)
+
+
+def _as_matrix(t: torch.Tensor, idx: str, first: str, second: str) -> torch.Tensor:
+    """``t`` (dims named by ``idx``) as a [prod(first), prod(second)] matrix: a view (possibly
+    transposed, which cuBLAS takes as is) whenever the strides allow, else a copy."""
+    size = dict(zip(idx, t.shape))
+    m = math.prod(size[s] for s in first)
+    n = math.prod(size[s] for s in second)
+    try:
+        return t.permute([idx.index(s) for s in first + second]).view(m, n)
+    except RuntimeError:
+        pass
+    try:
+        return t.permute([idx.index(s) for s in second + first]).view(n, m).t()
+    except RuntimeError:
+        return t.permute([idx.index(s) for s in first + second]).reshape(m, n)
 
 
 def _einsum(eq: str, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a = a if a.dtype == dtype else a.to(dtype)
     b = b if b.dtype == dtype else b.to(dtype)
-    da, db, perm = _pair_program(eq)
-    return torch.tensordot(a, b, dims=(list(da), list(db))).permute(perm)
+    ia, ib, fa, shared, fb, perm = _pair_program(eq)
+    out = torch.mm(_as_matrix(a, ia, fa, shared), _as_matrix(b, ib, shared, fb))
+    sizes = [a.shape[ia.index(s)] for s in fa] + [b.shape[ib.index(s)] for s in fb]
+    return out.view(sizes).permute(perm)
 
 
 def _leaf_views(plan: Plan, x2: torch.Tensor, views: Sequence[torch.Tensor], row_modes, rows: int) -> dict:
@@ -373,10 +399,12 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
         a_name, b_name, A, B, L, R = _fused_halves(plan, env, rows, cols, tdtype)
         dx2, t, u = xlr_backward(x2.contiguous(), dy.contiguous(), L, R)
         r = A.shape[-1]
-        dA = torch.zeros((A.numel() // r, r), device=x.device, dtype=mdtype)
-        dB = torch.zeros((B.numel() // r, r), device=x.device, dtype=mdtype)
-        dA[:rows] = torch.matmul(x2.t(), u).to(mdtype)
-        dB[:cols] = torch.matmul(dy.t(), t).to(mdtype)
+        dA = torch.matmul(x2.t(), u).to(mdtype)
+        dB = torch.matmul(dy.t(), t).to(mdtype)
+        if dA.shape[0] * r != A.numel():  # padded rows / columns get zero gradient
+            dA = torch.nn.functional.pad(dA, (0, 0, 0, A.numel() // r - dA.shape[0]))
+        if dB.shape[0] * r != B.numel():
+            dB = torch.nn.functional.pad(dB, (0, 0, 0, B.numel() // r - dB.shape[0]))
         env["d" + a_name] = _uncanonical(plan, a_name, dA.reshape(A.shape))
         env["d" + b_name] = _uncanonical(plan, b_name, dB.reshape(B.shape))
         _run(plan, env, ("merge_backward",), tdtype, mdtype)
