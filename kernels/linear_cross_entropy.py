@@ -73,7 +73,6 @@ class _Tuning:
     tile_budget_bytes: int = 44 << 20
     dense_budget_bytes: int = 64 << 20
     dense_block_n: int = 256
-    sparse_programs_per_sm: int = 2
     dense_after_rounds: int = 4
     dense_density: float = 0.3
     ref_chunk_bytes: int = 64 << 20
@@ -250,42 +249,37 @@ if _HAS_TRITON:
     def _grad_sparse_kernel(
         X, W, Bias, Order, LSE, PCoef, SCoef, G, GCol, Slot, Counter,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
-        capacity, col_start, nvb_range, num_tb, num_programs,
+        capacity, col_start, nvb_range, num_tb,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
         FILTER: tl.constexpr, HAS_ORDER: tl.constexpr,
     ):
-        """Persistent: tiles t = pid, pid + P, ... until the slot buffer is full. A kept tile
-        goes to slot = atomic counter; Slot[tb, vbl] = slot, or -1 when filtered out. Tiles not
-        visited keep the -2 the host wrote (so do the ones that found the buffer full)."""
-        total = num_tb * nvb_range
-        t = tl.program_id(0)
-        used = tl.atomic_add(Counter, 0)
+        """One tile per program. A kept tile goes to slot = atomic counter; Slot[tb, vbl] = slot,
+        -1 when filtered out, -2 when the slot buffer was full (the tile is redone next round)."""
+        tb, vbl = _tile_coords(tl.program_id(0), nvb_range, num_tb, GROUP_V)
+        slot_ptr = Slot + tb.to(tl.int64) * nvb_range + vbl
+        if tl.atomic_add(Counter, 0) >= capacity:
+            tl.store(slot_ptr, -2)
+            return
+        g, p = _grad_values(X, W, Bias, Order, LSE, PCoef, SCoef, tb, vbl, col_start,
+                            N, V, D, sxn, sxd, swv, swd, sb, softcap,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                            HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, HAS_ORDER)
+        if FILTER:
+            if _is_filtered(g, p, filter_eps):
+                tl.store(slot_ptr, -1)
+                return
+        slot = tl.atomic_add(Counter, 1)
+        if slot >= capacity:
+            tl.store(slot_ptr, -2)
+            return
         offs_bm = tl.arange(0, BLOCK_M)
         offs_bn = tl.arange(0, BLOCK_N)
-        while (t < total) & (used < capacity):
-            tb, vbl = _tile_coords(t, nvb_range, num_tb, GROUP_V)
-            slot_ptr = Slot + tb.to(tl.int64) * nvb_range + vbl
-            g, p = _grad_values(X, W, Bias, Order, LSE, PCoef, SCoef, tb, vbl, col_start,
-                                N, V, D, sxn, sxd, swv, swd, sb, softcap,
-                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                                HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, HAS_ORDER)
-            skip = False
-            if FILTER:
-                skip = _is_filtered(g, p, filter_eps)
-            if skip:
-                tl.store(slot_ptr, -1)
-            else:
-                slot = tl.atomic_add(Counter, 1)
-                if slot < capacity:
-                    base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                    tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :],
-                             g.to(G.dtype.element_ty))
-                    tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
-                    tl.store(slot_ptr, slot)
-            t += num_programs
-            used = tl.atomic_add(Counter, 0)
+        base = slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
+        tl.store(G + base + offs_bm[:, None] * BLOCK_N + offs_bn[None, :], g.to(G.dtype.element_ty))
+        tl.store(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn, tl.sum(g, 0))
+        tl.store(slot_ptr, slot)
 
     @triton.jit
     def _grad_dense_kernel(
@@ -602,13 +596,11 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
         while vb_start < nvb:
             nvr = nvb - vb_start
             counter.zero_()
-            slot_map[: num_tb * nvr].fill_(-2)
-            progs = min(num_tb * nvr, cfg.sparse_programs_per_sm * _num_sms(dev))
             try:
-                _grad_sparse_kernel[(progs,)](
+                _grad_sparse_kernel[(num_tb * nvr,)](
                     x, weight, bias_arg, order, lse, pcoef, dummy, G, gcol, slot_map,
                     counter, N, V, D, *strides, float(softcap), float(filter_eps),
-                    capacity, vb_start * BN, nvr, num_tb, progs, BLOCK_N=BN, **common)
+                    capacity, vb_start * BN, nvr, num_tb, BLOCK_N=BN, **common)
             except Exception as err:  # a Triton that cannot build it: the dense path is exact
                 if rounds:
                     raise
