@@ -232,6 +232,8 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=1000)
     ap.add_argument("--tuning", default="", help="k=v,... overrides of _TUNING for ours")
     ap.add_argument("--profile", action="store_true", help="kernel breakdown of ours (profiler)")
+    ap.add_argument("--data-independent-once", action="store_true",
+                    help="time eager, torch.compile and Liger (data-independent) on the first case only")
     ap.add_argument("--fwd-sweep", default="", help="tunings separated by ';' to time ours' forward")
     args = ap.parse_args()
 
@@ -256,6 +258,9 @@ def main():
             if args.profile:
                 profile(fns, x, w, t)
             for name, fn in fns.items():
+                if (args.data_independent_once and case != args.cases.split(",")[0]
+                        and name in ("eager", "torch.compile", "liger")):
+                    continue
                 try:
                     r = run_one(name, fn, x, w, t, ref, floor_ms, args.rep_ms)
                 except Exception as e:  # noqa: BLE001
