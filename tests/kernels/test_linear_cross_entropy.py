@@ -114,8 +114,12 @@ def test_triton_tile_paths(small_tiles, budget, mode, det):
         setattr(small_tiles, k, v)
     x, w, b, t = _inputs(n=70, scale=4.0)
     t[5] = -100
-    _check("triton", x, w, b, t, 1e-5, backward=mode, deterministic=det, filter_eps=0.0,
+    # eps below any softmax value: the filtered paths run but drop nothing
+    _check("triton", x, w, b, t, 1e-5, backward=mode, deterministic=det, filter_eps=1e-30,
            label_smoothing=0.1, reduction="sum")
+    stats = {k: int(v) for k, v in lce._LAST_STATS.items()}
+    assert (stats["sparse_rounds"] > 0) == (mode == "filtered" and not det), stats
+    assert (stats["dense_chunks"] > 0) == (mode == "exact" or det or "dense_density" in budget), stats
 
 
 def test_filtered_drops_only_tiny_softmax(small_tiles):
@@ -267,3 +271,26 @@ def test_argument_errors():
         linear_cross_entropy(x, w[:, :3], t)
     with pytest.raises(RuntimeError, match="dtype"):
         linear_cross_entropy(x, w.double(), t)
+
+
+def test_sparse_path_with_softcap_and_custom_ignore(small_tiles):
+    small_tiles.tile_budget_bytes = 16 * 16 * 4 * 12  # several sparse rounds
+    small_tiles.dense_after_rounds = 100
+    small_tiles.dense_density = 2.0
+    x, w, b, t = _inputs(n=70, scale=4.0)
+    t[[2, 9]] = 11
+    _check("triton", x, w, b, t, 1e-5, softcap=3.0, ignore_index=11, filter_eps=1e-30)
+    assert int(lce._LAST_STATS["sparse_rounds"]) > 1
+
+
+def test_auto_picks_triton_when_forced(monkeypatch):
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    x, w, b, t = _inputs()
+    lce._LAST_STATS.clear()
+    xr = x.clone().requires_grad_()
+    linear_cross_entropy(xr, w, t, b).backward()
+    assert lce._LAST_STATS  # the Triton backward ran
+    monkeypatch.delenv("COMERA_FORCE_TRITON")
+    lce._LAST_STATS.clear()
+    linear_cross_entropy(x.clone().requires_grad_(), w, t, b).backward()
+    assert not lce._LAST_STATS  # the torch reference ran
