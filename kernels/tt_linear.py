@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 from typing import Optional, Sequence
@@ -160,14 +161,14 @@ if _HAS_TRITON:
             k_ok = rk < I
             xb = tl.load(X + rm[:, None] * sxn + rk[None, :] * sxi, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             lb = tl.load(L + rk[:, None] * sli + rr[None, :] * slr, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            t += tl.dot(xb, lb, input_precision=PRECISION)
-        tc = t.to(R.dtype.element_ty)
+            t += tl.dot(xb, lb.to(X.dtype.element_ty), input_precision=PRECISION)
+        tc = t.to(X.dtype.element_ty)
         o_start = pid_o * O_PER_PROG
         for n0 in range(0, O_PER_PROG, BLOCK_N):
             rn = o_start + n0 + tl.arange(0, BLOCK_N)
             n_ok = rn < O
             rb = tl.load(R + rn[None, :] * sro + rr[:, None] * srr, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            y = tl.dot(tc, rb, input_precision=PRECISION)
+            y = tl.dot(tc, rb.to(X.dtype.element_ty), input_precision=PRECISION)
             if HAS_BIAS:
                 y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(Y + rm[:, None] * syn + rn[None, :] * syo, y.to(Y.dtype.element_ty),
@@ -191,8 +192,8 @@ if _HAS_TRITON:
             n_ok = rn < O
             db = tl.load(DY + rm[:, None] * sdn + rn[None, :] * sdo, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
             rb = tl.load(R + rn[:, None] * sro + rr[None, :] * srr, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            u += tl.dot(db, rb, input_precision=PRECISION)
-        uc = u.to(L.dtype.element_ty)
+            u += tl.dot(db, rb.to(DY.dtype.element_ty), input_precision=PRECISION)
+        uc = u.to(X.dtype.element_ty)
         if pid_i == 0:
             t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
@@ -202,7 +203,7 @@ if _HAS_TRITON:
                              other=0.0)
                 lb = tl.load(L + rk[:, None] * sli + rr[None, :] * slr, mask=k_ok[:, None] & r_ok[None, :],
                              other=0.0)
-                t += tl.dot(xb, lb, input_precision=PRECISION)
+                t += tl.dot(xb, lb.to(X.dtype.element_ty), input_precision=PRECISION)
             tu_mask = m_ok[:, None] & r_ok[None, :]
             tl.store(T + rm[:, None] * stn + rr[None, :] * str_, t.to(T.dtype.element_ty), mask=tu_mask)
             tl.store(U + rm[:, None] * stn + rr[None, :] * str_, uc, mask=tu_mask)
@@ -211,9 +212,76 @@ if _HAS_TRITON:
             rk = i_start + k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < I
             lt = tl.load(L + rk[None, :] * sli + rr[:, None] * slr, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            dx = tl.dot(uc, lt, input_precision=PRECISION)
+            dx = tl.dot(uc, lt.to(X.dtype.element_ty), input_precision=PRECISION)
             tl.store(DX + rm[:, None] * sdxn + rk[None, :] * sdxi, dx.to(DX.dtype.element_ty),
                      mask=m_ok[:, None] & k_ok[None, :])
+
+    @triton.jit
+    def _program_kernel(S, P, NSTEPS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        """Runs a list of small steps over one fp32 scratch buffer ``S``; program ``lane`` runs the
+        steps of its lane (the two halves of a split are independent). A step row of ``P`` is
+        [type, lane, M, N, K, a_off, a_s0, a_s1, b_off, b_s0, b_s1, c_off, c_s0, c_s1, 0, 0]:
+        0 MM C[M,N] = A[M,K] @ B[K,N]; 1 SCALE C = A * B[None, :]; 2 COLDOT C[n] = sum_m A*B;
+        3 COPY C = A. A barrier separates the steps (later steps read what earlier ones wrote)."""
+        lane = tl.program_id(0)
+        am = tl.arange(0, BM)
+        an = tl.arange(0, BN)
+        ak = tl.arange(0, BK)
+        for s in range(0, NSTEPS):
+            row = P + s * 16
+            typ = tl.load(row)
+            ln = tl.load(row + 1)
+            M = tl.load(row + 2)
+            N = tl.load(row + 3)
+            K = tl.load(row + 4)
+            a_off = tl.load(row + 5)
+            a_s0 = tl.load(row + 6)
+            a_s1 = tl.load(row + 7)
+            b_off = tl.load(row + 8)
+            b_s0 = tl.load(row + 9)
+            b_s1 = tl.load(row + 10)
+            c_off = tl.load(row + 11)
+            c_s0 = tl.load(row + 12)
+            c_s1 = tl.load(row + 13)
+            if ln == lane:
+                if typ == 0:
+                    for m0 in range(0, M, BM):
+                        rm = m0 + am
+                        for n0 in range(0, N, BN):
+                            rn = n0 + an
+                            acc = tl.zeros((BM, BN), dtype=tl.float32)
+                            for k0 in range(0, K, BK):
+                                rk = k0 + ak
+                                a = tl.load(S + a_off + rm[:, None] * a_s0 + rk[None, :] * a_s1,
+                                            mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+                                b = tl.load(S + b_off + rk[:, None] * b_s0 + rn[None, :] * b_s1,
+                                            mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+                                acc += tl.dot(a, b, input_precision=PRECISION)
+                            tl.store(S + c_off + rm[:, None] * c_s0 + rn[None, :] * c_s1, acc,
+                                     mask=(rm[:, None] < M) & (rn[None, :] < N))
+                elif typ == 2:
+                    for n0 in range(0, N, BN):
+                        rn = n0 + an
+                        acc1 = tl.zeros((BN,), dtype=tl.float32)
+                        for m0 in range(0, M, BM):
+                            rm = m0 + am
+                            msk = (rm[:, None] < M) & (rn[None, :] < N)
+                            a = tl.load(S + a_off + rm[:, None] * a_s0 + rn[None, :] * a_s1, mask=msk, other=0.0)
+                            b = tl.load(S + b_off + rm[:, None] * b_s0 + rn[None, :] * b_s1, mask=msk, other=0.0)
+                            acc1 += tl.sum(a * b, axis=0)
+                        tl.store(S + c_off + rn * c_s1, acc1, mask=rn < N)
+                else:
+                    for m0 in range(0, M, BM):
+                        rm = m0 + am
+                        for n0 in range(0, N, BN):
+                            rn = n0 + an
+                            msk = (rm[:, None] < M) & (rn[None, :] < N)
+                            a = tl.load(S + a_off + rm[:, None] * a_s0 + rn[None, :] * a_s1, mask=msk, other=0.0)
+                            if typ == 1:
+                                a = a * tl.load(S + b_off + rn * b_s1, mask=rn < N, other=0.0)[None, :]
+                            tl.store(S + c_off + rm[:, None] * c_s0 + rn[None, :] * c_s1, a, mask=msk)
+            tl.debug_barrier()
 
 
 def _blocks(n: int, width: int, rank: int, block_n: int) -> tuple[int, int, int]:
@@ -362,6 +430,218 @@ def _fused_halves(plan: Plan, env: dict, rows: int, cols: int, tdtype: torch.dty
     return a_name, b_name, A, B, L, R
 
 
+# ----------------------------------------------------------------------------- token-independent program
+#
+# Gating, merging the two halves of a split and the backward of both (core and gate gradients) are
+# tiny, but as torch ops they are ~60 launches per training step, which dominates a layer at a few
+# thousand tokens even inside a CUDA graph. ``_program_kernel`` runs them all from one launch per
+# phase, over one fp32 scratch buffer, with the step list built here once per plan.
+
+_MM, _SCALE, _COLDOT, _COPY = 0, 1, 2, 3
+
+
+class _Program:
+    """Step rows and scratch layout of the token-independent work of one split plan."""
+
+    def __init__(self):
+        self.total = 0
+        self.layout: dict[str, tuple[int, str]] = {}  # tensor -> (offset, index order in memory)
+        self.lane: dict[str, int] = {}
+        self.fwd: list[list[int]] = []
+        self.bwd: list[list[int]] = []
+        self.rows: dict = {}
+
+    def alloc(self, n: int, packed: bool = False) -> int:
+        off = self.total
+        self.total += n if packed else (n + 3) // 4 * 4
+        return off
+
+    def device_rows(self, device):
+        hit = self.rows.get(device)
+        if hit is None:
+            hit = self.rows[device] = tuple(
+                torch.tensor(r or [[0] * 16], dtype=torch.int32, device=device).reshape(-1, 16) for r in
+                (self.fwd, self.bwd))
+        return hit
+
+
+def _row(typ, lane, m, n, k, a=(0, 0, 0), b=(0, 0, 0), c=(0, 0, 0)):
+    return [typ, lane, m, n, k, *a, *b, *c, 0, 0]
+
+
+def _matrix_strides(layout: str, first: str, second: str, size: dict):
+    """Strides (s_first, s_second) of a contiguous tensor with dims ``layout`` seen as the matrix
+    [prod(first), prod(second)], or None when the two groups are not contiguous blocks."""
+    nf = math.prod(size[c] for c in first)
+    ns = math.prod(size[c] for c in second)
+    if layout == first + second:
+        return ns, 1
+    if layout == second + first:
+        return 1, nf
+    return None
+
+
+def _split_orders(la: str, lb: str, out: str):
+    shared = [c for c in la if c in lb]
+    fa = "".join(c for c in la if c not in shared)
+    fb = "".join(c for c in lb if c not in shared)
+    return fa, "".join(shared), fb
+
+
+def _mode_inversions(layout: str) -> int:
+    """How far the mode indices of ``layout`` are from canonical order (a merged half is consumed as
+    [modes in canonical order, rank])."""
+    modes = [_SYMBOL_ORDER[c] for c in layout if not c.isupper()]
+    return sum(1 for i in range(len(modes)) for j in range(i + 1, len(modes)) if modes[i] > modes[j])
+
+
+def _mm_row(prog, size, a, b, out_name, lane, dest=None, dest_layout=None, flip=False):
+    (oa, la), (ob, lb) = prog.layout[a], prog.layout[b]
+    fa, sh, fb = _split_orders(la, lb, "")
+    sa = _matrix_strides(la, fa, sh, size)
+    sb = _matrix_strides(lb, sh, fb, size)
+    if sa is None or sb is None:  # try the shared indices in b's order
+        sh = "".join(c for c in lb if c in la)
+        sa = _matrix_strides(la, fa, sh, size)
+        sb = _matrix_strides(lb, sh, fb, size)
+    if sa is None or sb is None:
+        return None
+    m = math.prod(size[c] for c in fa)
+    n = math.prod(size[c] for c in fb)
+    k = math.prod(size[c] for c in sh)
+    if dest_layout is None:
+        options = sorted((fa + fb, fb + fa), key=_mode_inversions)
+        layout = options[1] if flip else options[0]
+    else:
+        layout = dest_layout
+    sc = _matrix_strides(layout, fa, fb, size)
+    if sc is None:
+        return None
+    off = prog.alloc(m * n) if dest is None else dest
+    prog.layout[out_name] = (off, layout)
+    prog.lane[out_name] = lane
+    return _row(_MM, lane, m, n, k, (oa, *sa), (ob, *sb), (off, *sc))
+
+
+@functools.lru_cache(maxsize=256)
+def _build_program(plan: Plan, core_shapes: tuple, a_name: str, b_name: str):
+    """The program of a split plan whose halves are A = cores[:split], B = cores[split:]; None when
+    no choice of intermediate layouts fits the 2-D strided steps (the torch path runs then).
+    Each intermediate is stored as [free of A, free of B] or the transpose: try the choices (mode
+    indices closest to canonical order first) until every step, leaf gradients included, fits."""
+    k = len(plan.steps_in("merge")) + sum(1 for st in plan.steps_in("merge_backward")
+                                          if st.out[1:] not in dict(plan.leaf_indices))
+    for flips in itertools.islice(itertools.product((False, True), repeat=k), 4096):
+        prog = _try_program(plan, core_shapes, a_name, b_name, iter(flips))
+        if prog is not None:
+            return prog
+    return None
+
+
+def _try_program(plan: Plan, core_shapes: tuple, a_name: str, b_name: str, flips):
+    size = {k.split(":")[1]: v for k, v in plan.sizes}
+    leaf = dict(plan.leaf_indices)
+    d = len(core_shapes)
+    split = plan.split
+    prog = _Program()
+    # the inputs are packed exactly as torch.cat(cores + gates) lays them out
+    in_off = [prog.alloc(math.prod(sh), packed=True) for sh in core_shapes]
+    gate_off = [prog.alloc(core_shapes[k][-1], packed=True) for k in range(d - 1)]
+    prog.n_in = prog.total
+    # gating: G'_k = G_k * g_k (the last core has no gate)
+    for k in range(d):
+        name, lane = f"G{k + 1}", 0 if k < split else 1
+        prog.lane[name] = lane
+        if k < d - 1:
+            r = core_shapes[k][-1]
+            m = math.prod(core_shapes[k]) // r
+            off = prog.alloc(m * r)
+            prog.fwd.append(_row(_SCALE, lane, m, r, 0, (in_off[k], r, 1), (gate_off[k], 0, 1), (off, r, 1)))
+            prog.layout[name] = (off, leaf[name])
+        else:
+            prog.layout[name] = (in_off[k], leaf[name])
+    for st in plan.steps_in("merge"):
+        a, b = st.inputs
+        r = _mm_row(prog, size, a, b, st.out, prog.lane[a], flip=next(flips))
+        if r is None:
+            return None
+        prog.fwd.append(r)
+    # backward: external gradients of A and B land in regions with A's and B's layouts
+    for nm in (a_name, b_name):
+        off, lay = prog.layout[nm]
+        prog.layout["d" + nm] = (prog.alloc(math.prod(size[c] for c in lay)), lay)
+        prog.lane["d" + nm] = prog.lane[nm]
+    prog.alloc(0)
+    grad_base = prog.alloc(prog.n_in)
+    prog.grad_base = grad_base
+    dleaf_off = {}
+    for st in plan.steps_in("merge_backward"):
+        dp, q = st.inputs
+        tgt = st.out[1:]
+        lane = prog.lane[dp]
+        if tgt in leaf:
+            k = int(tgt[1:]) - 1
+            dest = grad_base + in_off[k] if k == d - 1 else None
+            r = _mm_row(prog, size, dp, q, st.out, lane, dest=dest, dest_layout=leaf[tgt])
+        else:
+            r = _mm_row(prog, size, dp, q, st.out, lane, flip=next(flips))
+        if r is None:
+            return None
+        prog.bwd.append(r)
+    for k in range(d):
+        name, lane = f"dG{k + 1}", 0 if k < split else 1
+        off, lay = prog.layout[name]
+        if lay != leaf[name[1:]]:
+            return None
+        numel = math.prod(core_shapes[k])
+        r = core_shapes[k][-1]
+        if k < d - 1:
+            prog.bwd.append(_row(_SCALE, lane, numel // r, r, 0, (off, r, 1), (gate_off[k], 0, 1),
+                                 (grad_base + in_off[k], r, 1)))
+            prog.bwd.append(_row(_COLDOT, lane, numel // r, r, 0, (off, r, 1), (in_off[k], r, 1),
+                                 (grad_base + gate_off[k], 0, 1)))
+        elif off != grad_base + in_off[k]:
+            prog.bwd.append(_row(_COPY, lane, numel // r, r, 0, (off, r, 1), c=(grad_base + in_off[k], r, 1)))
+    prog.in_off, prog.gate_off = in_off, gate_off
+    return prog
+
+
+def _program_for(plan: Plan, cores, a_name: str, b_name: str):
+    if not _HAS_TRITON or plan.split is None:
+        return None
+    prog = _build_program(plan, tuple(tuple(c.shape) for c in cores), a_name, b_name)
+    if prog is not None and cores[0].is_cuda and cores[0].device not in prog.rows \
+            and torch.cuda.is_current_stream_capturing():
+        return None  # the step rows are uploaded on the first call, which must not be a capture
+    return prog
+
+
+def _run_program(prog: _Program, S: torch.Tensor, phase: str, precision: str):
+    rows = prog.device_rows(S.device)[0 if phase == "fwd" else 1]
+    n = len(prog.fwd if phase == "fwd" else prog.bwd)
+    if n:
+        _program_kernel[(2,)](S, rows, n, BM=32, BN=32, BK=32, PRECISION=precision, num_warps=4)
+
+
+def _program_inputs(prog: _Program, cores, gates) -> torch.Tensor:
+    S = torch.empty(prog.total, device=cores[0].device, dtype=torch.float32)
+    S[:prog.n_in].copy_(torch.cat([c.reshape(-1) for c in cores] + [g.reshape(-1) for g in gates]))
+    return S
+
+
+def _program_matrix(prog: _Program, plan: Plan, S: torch.Tensor, name: str, n_keep: int) -> torch.Tensor:
+    """The merged half ``name`` as a [rows or cols, r] strided view of the scratch (cut to n_keep)."""
+    size = {k.split(":")[1]: v for k, v in plan.sizes}
+    off, lay = prog.layout[name]
+    rank = [c for c in lay if c.isupper()]
+    modes = "".join(sorted((c for c in lay if not c.isupper()), key=_SYMBOL_ORDER.__getitem__))
+    st = _matrix_strides(lay, modes, "".join(rank), size)
+    if len(rank) != 1 or st is None:
+        return None
+    m = math.prod(size[c] for c in modes)
+    return S.as_strided((m, size[rank[0]]), st, off)[:n_keep]
+
+
 def _forward_impl(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
     lead = x.shape[:-1]
     x2 = x.reshape(-1, rows)
@@ -369,15 +649,23 @@ def _forward_impl(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
     triton_ok = _use_triton(x)
     plan = plan_for(n, cores, fmt, row_modes, col_modes, x.element_size(), fused=triton_ok)
     tdtype, mdtype = x.dtype, merge_dtype(cores)
-    views = gated_core_views(cores, gates, mdtype)
     if plan.fused == "xlr" and triton_ok:
-        env = {f"G{k + 1}": v for k, v in enumerate(views)}
+        b = bias.to(tdtype) if bias is not None else None
+        _, a_name, b_name = plan.steps_in("forward")[0].inputs
+        prog = _program_for(plan, cores, a_name, b_name)
+        if prog is not None:
+            S = _program_inputs(prog, cores, gates)
+            _run_program(prog, S, "fwd", _precision(tdtype))
+            L = _program_matrix(prog, plan, S, a_name, rows)
+            R = _program_matrix(prog, plan, S, b_name, cols)
+            if L is not None and R is not None:
+                return xlr_forward(x2.contiguous(), L, R, b).reshape(*lead, cols)
+        env = {f"G{k + 1}": v for k, v in enumerate(gated_core_views(cores, gates, mdtype))}
         _run(plan, env, ("merge",), tdtype, mdtype)
         *_, L, R = _fused_halves(plan, env, rows, cols, tdtype)
-        b = bias.to(tdtype) if bias is not None else None
         y = xlr_forward(x2.contiguous(), L, R, b)
         return y.reshape(*lead, cols)
-    env = _leaf_views(plan, x2, views, row_modes, rows)
+    env = _leaf_views(plan, x2, gated_core_views(cores, gates, mdtype), row_modes, rows)
     _run(plan, env, ("merge", "forward"), tdtype, mdtype)
     y = env["y"].reshape(n, -1)[:, :cols]
     if bias is not None:
@@ -392,8 +680,28 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
     triton_ok = _use_triton(x)
     plan = plan_for(n, cores, fmt, row_modes, col_modes, x.element_size(), fused=triton_ok)
     tdtype, mdtype = x.dtype, merge_dtype(cores)
-    views = gated_core_views(cores, gates, mdtype)
     if plan.fused == "xlr" and triton_ok:
+        _, a_name, b_name = plan.steps_in("forward")[0].inputs
+        prog = _program_for(plan, cores, a_name, b_name)
+        if prog is not None:
+            S = _program_inputs(prog, cores, gates)
+            _run_program(prog, S, "fwd", _precision(tdtype))
+            L = _program_matrix(prog, plan, S, a_name, rows)
+            R = _program_matrix(prog, plan, S, b_name, cols)
+            dL = _program_matrix(prog, plan, S, "d" + a_name, 1 << 62)
+            dR = _program_matrix(prog, plan, S, "d" + b_name, 1 << 62)
+            if L is not None and R is not None:
+                dx2, t, u = xlr_backward(x2.contiguous(), dy.contiguous(), L, R)
+                dL[:rows].copy_(torch.matmul(x2.t(), u))
+                dR[:cols].copy_(torch.matmul(dy.t(), t))
+                if rows < dL.shape[0]:
+                    dL[rows:].zero_()
+                if cols < dR.shape[0]:
+                    dR[cols:].zero_()
+                _run_program(prog, S, "bwd", _precision(tdtype))
+                flat = S[prog.grad_base:prog.grad_base + prog.n_in].to(cores[0].dtype, copy=True)
+                return dx2.reshape(x.shape), flat
+        views = gated_core_views(cores, gates, mdtype)
         env = {f"G{k + 1}": v for k, v in enumerate(views)}
         _run(plan, env, ("merge",), tdtype, mdtype)
         a_name, b_name, A, B, L, R = _fused_halves(plan, env, rows, cols, tdtype)
@@ -410,7 +718,7 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
         _run(plan, env, ("merge_backward",), tdtype, mdtype)
         dx = dx2
     else:
-        env = _leaf_views(plan, x2, views, row_modes, rows)
+        env = _leaf_views(plan, x2, gated_core_views(cores, gates, mdtype), row_modes, rows)
         _run(plan, env, ("recompute",), tdtype, mdtype)
         dy_pad = dy
         o_pad = math.prod(col_modes)
@@ -421,7 +729,8 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
         dx = env["dx"].reshape(n, -1)[:, :rows]
     dviews = [env[f"dG{k + 1}"] for k in range(len(cores))]
     dcores, dgates = gated_core_grads(cores, gates, dviews)
-    return [dx.reshape(x.shape).to(x.dtype).contiguous()] + dcores + dgates
+    flat = torch.cat([t.reshape(-1).to(cores[0].dtype) for t in dcores + dgates])
+    return dx.reshape(x.shape).to(x.dtype).contiguous(), flat
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -442,14 +751,26 @@ def _(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
 @torch.library.custom_op("comera::tt_linear_backward", mutates_args=())
 def _tt_linear_backward_op(grad: torch.Tensor, x: torch.Tensor, cores: list[torch.Tensor],
                            gates: list[torch.Tensor], fmt: str, row_modes: list[int], col_modes: list[int],
-                           rows: int, cols: int) -> list[torch.Tensor]:
-    """[dx, d cores..., d gates...]"""
-    return _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
+                           rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, every core and gate gradient packed flat like ``torch.cat(cores + gates)``, cores' dtype)."""
+    dx, flat = _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
+    return dx, flat
 
 
 @_tt_linear_backward_op.register_fake
 def _(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols):
-    return [torch.empty_like(x)] + [torch.empty_like(c) for c in cores] + [torch.empty_like(g) for g in gates]
+    n = sum(c.numel() for c in cores) + sum(g.numel() for g in gates)
+    return torch.empty_like(x), cores[0].new_empty((n,))
+
+
+def unpack_grads(flat: torch.Tensor, cores, gates):
+    """Views of the packed core and gate gradients, shaped (and typed) like the parameters."""
+    out, off = [], 0
+    for t in list(cores) + list(gates):
+        g = flat[off:off + t.numel()].view(t.shape)
+        out.append(g if g.dtype == t.dtype else g.to(t.dtype))
+        off += t.numel()
+    return out[:len(cores)], out[len(cores):]
 
 
 def _setup_context(ctx, inputs, output):
@@ -463,8 +784,8 @@ def _backward(ctx, grad):
     d, fmt, row_modes, col_modes, rows, cols, bias_dtype = ctx.meta
     saved = ctx.saved_tensors
     x, cores, gates = saved[0], list(saved[1:1 + d]), list(saved[1 + d:])
-    grads = _tt_linear_backward_op(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
-    dx, dcores, dgates = grads[0], list(grads[1:1 + d]), list(grads[1 + d:])
+    dx, flat = _tt_linear_backward_op(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
+    dcores, dgates = unpack_grads(flat, cores, gates)
     dbias = None if bias_dtype is None else grad.reshape(-1, cols).sum(0).to(bias_dtype)
     return dx, dcores, dgates, dbias, None, None, None, None, None
 
