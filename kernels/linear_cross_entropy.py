@@ -4,23 +4,27 @@ Semantics are exactly ``F.cross_entropy(softcap(x @ W.T + b).float(), target, ..
 ``softcap(z) = c * tanh(z / c)`` when ``c > 0``. The loss (and the optional log-sum-exp) is fp32,
 as eager gives for ``.float()`` logits; a caller whose model did not upcast casts it back.
 
-How it runs on the GPU (Triton):
+How it runs on the GPU (Triton), two logits GEMMs plus the gradient products:
 
-* forward, one logits GEMM: ``_lse_fwd_kernel`` walks vocabulary tiles per token block and keeps an
-  online (max, sum-exp) in fp32, the correct-token logit and (for label smoothing) the logit sum.
-  Splits of the vocabulary are combined on the host from ``[splits, N]`` partials.
-* backward, one more logits GEMM plus the gradient products on the tiles that matter:
-  ``_grad_tile_kernel`` recomputes each (token block, vocabulary block) tile of the softmax, drops
-  the tiles whose ``softmax * softcap'`` is below ``filter_eps`` everywhere (CCE-style filtering;
-  ``backward="exact"`` keeps all), and writes the kept gradient tiles to a bounded buffer.
-  ``_dx_kernel`` and ``_dw_kernel`` then own their output rows and reduce the kept tiles in fp32
-  in a fixed order: no atomics touch the gradients, so the result does not depend on scheduling.
-  The one-hot (target) part and the uniform label-smoothing part of the gradient are exact rank-one
-  terms added by the consumers, so filtering only ever drops softmax mass below ``filter_eps``.
-* the vocabulary is visited in order of decreasing mean logit (``W @ sum(x)``, deterministic), so
-  the frequent words, whose tiles are kept, cluster and the rest of the tiles are skipped.
-* the kept-tile buffer is bounded (``_TUNING.tile_budget_bytes``); when more tiles are kept, the
-  vocabulary is processed in rounds and dX is accumulated in an fp32 scratch between rounds.
+* forward: ``_lse_fwd_kernel`` walks vocabulary tiles per token block and keeps an online
+  (max, sum-exp) in fp32, the correct-token logit and (for label smoothing) the logit sum.
+  Vocabulary splits are combined on the host from ``[splits, N]`` partials. Target range is checked
+  on the host first (one reduction and one sync), so a bad target raises eager's IndexError.
+* backward, filtered (default): ``_grad_sparse_kernel`` recomputes each (token block, vocabulary
+  block) tile of the softmax and keeps only the tiles where some ``softmax * softcap'`` reaches
+  ``filter_eps`` (CCE-style filtering; dtype eps / 32, 2**-12 for bf16). Kept tiles go to a bounded
+  buffer (``tile_budget_bytes``); ``_dx_kernel`` and ``_dw_kernel`` own their output rows and reduce
+  the kept tiles in fp32 in a fixed order (no atomics on the gradients). The one-hot (target) part
+  and, without softcap, the uniform label-smoothing part of the gradient are exact rank-one terms
+  added by those kernels, so filtering only ever drops softmax entries below ``filter_eps``.
+  The vocabulary is visited in order of decreasing mean logit (``W @ sum(x)``), so the words whose
+  tiles are kept cluster. When the buffer fills, the rest of the vocabulary is done in further
+  rounds (dX accumulates in its own dtype, at most ``dense_after_rounds`` times).
+* backward, dense chunks (``backward="exact"``, ``deterministic=True``, softcap with label
+  smoothing, or when two sparse rounds in a row keep more than ``dense_density`` of their tiles):
+  ``_grad_dense_kernel`` writes the whole gradient of a vocabulary chunk (``dense_budget_bytes``)
+  and two library GEMMs reduce it (dW rows written once, dX accumulated in an fp32 buffer).
+  This path is deterministic; with ``deterministic=True`` filtered tiles are zeroed, not skipped.
 
 On the CPU (or ``impl="torch"``) a chunked torch reference computes the same thing in fp32
 (float64 for float64 inputs) and never holds more than a chunk of logits; its backward is exact.
@@ -52,7 +56,8 @@ _IMPLS = ("auto", "triton", "torch")
 
 @dataclass
 class _Tuning:
-    """Tile shapes and launch parameters (Hopper defaults). Tests shrink them to exercise rounds."""
+    """Tile shapes, launch parameters and memory budgets (H200 defaults, measured in
+    benchmarks/results_cce.md). Tests shrink them to exercise every path on small problems."""
 
     fwd_block_m: int = 128
     fwd_block_n: int = 256
@@ -80,10 +85,10 @@ class _Tuning:
 
 _TUNING = _Tuning()
 
-# Bookkeeping of the last Triton backward (tensors, read them only after synchronizing):
-# rounds, tiles (total tile count), kept (tiles whose gradient was not filtered out).
+# Bookkeeping of the last Triton backward: sparse_rounds, dense_chunks, tiles (all tiles),
+# kept_sparse (tiles kept by the sparse rounds), sparse_blocks (vocabulary blocks they covered).
 _LAST_STATS: dict = {}
-_SPARSE_BROKEN: list = []  # set when the persistent sparse kernel failed to build here
+_SPARSE_BROKEN: list = []  # set (with the reason) when the sparse kernel failed to build here
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
