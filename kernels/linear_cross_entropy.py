@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -610,6 +611,8 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
                 if rounds:
                     raise
                 _SPARSE_BROKEN.append(repr(err)[:300])
+                warnings.warn(f"comera::linear_cross_entropy: sparse gradient kernel unavailable "
+                              f"({_SPARSE_BROKEN[0]}); using dense chunks", RuntimeWarning)
                 break
             sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
             unresolved = (sm == -2).any(0)
