@@ -483,7 +483,12 @@ def _cost_tree(net: _Net, tree, dtype_bytes: int, fused_ok: bool) -> dict:
         merges = [s for s in keep if s.phase == "merge"]
         rec_m = [s for s in keep if s.phase == "recompute"]
         mb = [s for s in keep if s.phase == "merge_backward"]
-        all_steps = merges + [fwd] + rec_m + [bwd_f, dA, dB] + mb
+        # the token-independent steps of each phase run as one launch of triton:tt_program
+        def program(steps):
+            return [dataclasses.replace(s, launches=int(i == 0), kernel="triton:tt_program")
+                    for i, s in enumerate(steps)]
+
+        all_steps = program(merges) + [fwd] + program(rec_m) + [bwd_f, dA, dB] + program(mb)
         recomputed = [s.out for s in rec_m] + [f"{t_name} (inside triton:tt_xlr_bwd)"]
         fused_tag = "xlr"
     else:
@@ -611,6 +616,7 @@ class EmbeddingPlan:
     steps: tuple[Step, ...]  # merges of the two tables and their backward (token-independent)
     leaf_indices: tuple[tuple[str, str], ...]
     tables: tuple[str, str]  # names of A and B in ``steps``
+    sizes: tuple[tuple[str, int], ...]  # ("name:symbol", size) of every index
     table_shapes: tuple[tuple[int, int, int], tuple[int, int, int]]  # (I_L, O_L, r), (I_R, O_R, r)
     flops: int
     bytes: int
@@ -703,6 +709,8 @@ def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes) -> 
     alts = tuple(sorted(((c[2], c[7], c[8], c[9], c[1]) for c in costed), key=lambda a: a[4]))
     return EmbeddingPlan(fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_lookups=n,
                          strategy=best[2], split=best[3], steps=best[4], leaf_indices=tuple(net.leaf_indices.items()),
+                         sizes=tuple((net.names[s] + ":" + s, v) for s, v in sorted(net.sizes.items(),
+                                                                                     key=lambda kv: _ORDER[kv[0]])),
                          tables=best[5], table_shapes=best[6], flops=best[7], bytes=best[8], launches=best[9],
                          est_time_s=best[1], alternatives=alts, plan_time_s=time.perf_counter() - t0)
 

@@ -29,7 +29,7 @@ import torch
 
 from comera_compile.planner import EmbeddingPlan, core_ranks, plan_tt_embedding, token_bucket
 
-from .tt_linear import _check_meta, _einsum, _uncanonical, _use_triton, canonical, gated_core_grads, gated_core_views, merge_dtype
+from .tt_linear import _SYMBOL_ORDER, _check_meta, _einsum, _program_for, _program_inputs, _run_program, unpack_grads, _uncanonical, _use_triton, canonical, gated_core_grads, gated_core_views, merge_dtype
 
 try:
     import triton
@@ -170,7 +170,22 @@ def _plan(indices, cores, fmt, row_modes, col_modes) -> EmbeddingPlan:
     return plan_tt_embedding(fmt, row_modes, col_modes, ranks, token_bucket(indices.numel()), cores[0].element_size())
 
 
-def _tables(plan: EmbeddingPlan, cores, gates, mdtype):
+def _region(prog, plan, S, name: str) -> torch.Tensor:
+    """A tensor of the token-independent program, viewed in canonical index order."""
+    size = {k.split(":")[1]: v for k, v in plan.sizes}
+    off, lay = prog.layout[name]
+    t = S[off:off + math.prod(size[c] for c in lay)].view([size[c] for c in lay])
+    return t.permute(sorted(range(len(lay)), key=lambda i: _SYMBOL_ORDER[lay[i]]))
+
+
+def _tables(plan: EmbeddingPlan, cores, gates, mdtype, prog=None):
+    if prog is not None:
+        S = _program_inputs(prog, cores, gates)
+        _run_program(prog, S, "fwd", "ieee" if cores[0].dtype == torch.float32 else "tf32")
+        a, b = plan.tables
+        A = _region(prog, plan, S, a).reshape(plan.table_shapes[0])
+        B = _region(prog, plan, S, b).reshape(plan.table_shapes[1])
+        return S, A, B
     env = {f"G{k + 1}": v for k, v in enumerate(gated_core_views(cores, gates, mdtype))}
     for s in plan.steps_in("merge"):
         env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
@@ -190,7 +205,8 @@ def _forward_impl(indices, cores, gates, fmt, row_modes, col_modes, rows, cols):
     plan = _plan(indices, cores, fmt, row_modes, col_modes)
     mdtype = merge_dtype(cores)
     out_dtype = cores[0].dtype
-    _, A, B = _tables(plan, cores, gates, mdtype)
+    prog = _program_for(plan, cores, *plan.tables) if _use_triton(cores[0]) else None
+    _, A, B = _tables(plan, cores, gates, mdtype, prog)
     flat = indices.reshape(-1)
     if _dedup_now(flat):
         uniq, inverse = torch.unique(flat, return_inverse=True)
@@ -208,7 +224,8 @@ def _forward_impl(indices, cores, gates, fmt, row_modes, col_modes, rows, cols):
 def _backward_impl(grad, indices, cores, gates, fmt, row_modes, col_modes, rows, cols):
     plan = _plan(indices, cores, fmt, row_modes, col_modes)
     mdtype = merge_dtype(cores)
-    env, A, B = _tables(plan, cores, gates, mdtype)
+    prog = _program_for(plan, cores, *plan.tables) if _use_triton(cores[0]) else None
+    env, A, B = _tables(plan, cores, gates, mdtype, prog)
     flat = indices.reshape(-1)
     g = grad.reshape(-1, cols)
     if _dedup_now(flat):
@@ -226,12 +243,20 @@ def _backward_impl(grad, indices, cores, gates, fmt, row_modes, col_modes, rows,
         dA = torch.zeros_like(A).index_add_(0, il_idx, torch.einsum("uop,upr->uor", gp, B[ir_idx]))
         dB = torch.zeros_like(B).index_add_(0, ir_idx, torch.einsum("uop,uor->upr", gp, A[il_idx]))
     a, b = plan.tables
+    if prog is not None:
+        S = env
+        for nm, grad in ((a, dA), (b, dB)):
+            region = _region(prog, plan, S, "d" + nm)
+            region.copy_(grad.reshape(region.shape))
+        _run_program(prog, S, "bwd", "ieee" if cores[0].dtype == torch.float32 else "tf32")
+        flat = S[prog.grad_base:prog.grad_base + prog.n_in].to(cores[0].dtype, copy=True)
+        return flat
     env["d" + a] = _uncanonical(plan, a, dA.to(mdtype).reshape(canonical(plan, a, env[a]).shape))
     env["d" + b] = _uncanonical(plan, b, dB.to(mdtype).reshape(canonical(plan, b, env[b]).shape))
     for s in plan.steps_in("merge_backward"):
         env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
     dcores, dgates = gated_core_grads(cores, gates, [env[f"dG{k + 1}"] for k in range(len(cores))])
-    return dcores + dgates
+    return torch.cat([t.reshape(-1).to(cores[0].dtype) for t in dcores + dgates])
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -252,14 +277,14 @@ def _(indices, cores, gates, fmt, row_modes, col_modes, rows, cols):
 @torch.library.custom_op("comera::tt_embedding_backward", mutates_args=())
 def _tt_embedding_backward_op(grad: torch.Tensor, indices: torch.Tensor, cores: list[torch.Tensor],
                               gates: list[torch.Tensor], fmt: str, row_modes: list[int], col_modes: list[int],
-                              rows: int, cols: int) -> list[torch.Tensor]:
-    """[d cores..., d gates...]"""
+                              rows: int, cols: int) -> torch.Tensor:
+    """Every core and gate gradient packed flat like ``torch.cat(cores + gates)`` (cores' dtype)."""
     return _backward_impl(grad, indices, cores, gates, fmt, row_modes, col_modes, rows, cols)
 
 
 @_tt_embedding_backward_op.register_fake
 def _(grad, indices, cores, gates, fmt, row_modes, col_modes, rows, cols):
-    return [torch.empty_like(c) for c in cores] + [torch.empty_like(g) for g in gates]
+    return cores[0].new_empty((sum(c.numel() for c in cores) + sum(g.numel() for g in gates),))
 
 
 def _setup_context(ctx, inputs, output):
@@ -272,8 +297,9 @@ def _backward(ctx, grad):
     d, fmt, row_modes, col_modes, rows, cols = ctx.meta
     saved = ctx.saved_tensors
     indices, cores, gates = saved[0], list(saved[1:1 + d]), list(saved[1 + d:])
-    grads = _tt_embedding_backward_op(grad, indices, cores, gates, fmt, row_modes, col_modes, rows, cols)
-    return None, list(grads[:d]), list(grads[d:]), None, None, None, None, None
+    flat = _tt_embedding_backward_op(grad, indices, cores, gates, fmt, row_modes, col_modes, rows, cols)
+    dcores, dgates = unpack_grads(flat, cores, gates)
+    return None, dcores, dgates, None, None, None, None, None
 
 
 _tt_embedding_op.register_autograd(_backward, setup_context=_setup_context)

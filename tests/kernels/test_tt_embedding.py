@@ -66,7 +66,13 @@ def test_gradcheck_float64(case):
 
 @pytest.mark.parametrize("dedup", [True, False])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_triton_interpreter_matches_reference(case, dedup):
+def test_triton_interpreter_matches_reference(case, dedup, monkeypatch):
+    from comera_compile.kernels import tt_embedding as mod
+
+    calls = []
+    for name in ("_run_program", "_fwd_triton", "_bwd_triton"):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
     fmt, rm, cm, ranks, rows, cols = case
     cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32, seed=2)
     idx = _indices(rows, (19,), seed=4)
@@ -76,6 +82,7 @@ def test_triton_interpreter_matches_reference(case, dedup):
         y = tt_embedding(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
         dy = torch.randn_like(y)
         grads = torch.autograd.grad(y, leaves, dy)
+    assert set(calls) == {"_run_program", "_fwd_triton", "_bwd_triton"}, calls
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     y_ref = ref.embedding_reference(idx, l64[:d], l64[d:], fmt, rm, cm, rows, cols)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)

@@ -89,6 +89,7 @@ def test_triton_interpreter_matches_reference(case, n, monkeypatch):
     leaves = [t.requires_grad_() for t in [x, *cores, *gates, b]]
     fwd_calls = _count_calls(monkeypatch, "xlr_forward")
     bwd_calls = _count_calls(monkeypatch, "xlr_backward")
+    program_calls = _count_calls(monkeypatch, "_run_program")
     with use_impl("triton"):
         y = tt_linear(x, cores, gates, b, fmt, rm, cm, rows, cols)
         dy = torch.randn_like(y)
@@ -96,6 +97,7 @@ def test_triton_interpreter_matches_reference(case, n, monkeypatch):
     plan = plan_tt_linear(fmt, rm, cm, ranks, token_bucket(n), 4)
     if plan.fused:
         assert fwd_calls and bwd_calls, "the fused Triton chain did not run"
+        assert len(program_calls) == 3, "the token-independent program did not run (fwd, bwd recompute, bwd)"
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     y_ref = ref.linear_reference(l64[0], l64[1:1 + d], l64[1 + d:-1], l64[-1], fmt, rm, cm, rows, cols)
     grads_ref = torch.autograd.grad(y_ref, l64, dy.double())
