@@ -56,11 +56,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions
     return compile_inner(gm, example_inputs, opts)
 
 
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
     """Hand the rewritten graph to the inner compiler."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    cudagraphs = opts.cudagraphs and torch.cuda.is_available()
+    cudagraphs = opts.cudagraphs and _cuda_available()
     if opts.cudagraphs and not cudagraphs:
         logger.info("cudagraphs requested but CUDA is not available: running without CUDA graphs")
     if opts.inner == "inductor":

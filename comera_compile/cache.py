@@ -16,17 +16,10 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
-@functools.lru_cache(maxsize=1)
-def source_fingerprint() -> str:
-    """sha256 over every ``.py`` file of comera_compile (passes and kernels included)."""
-    import comera_compile
-    import comera_compile.kernels
-    import comera_compile.passes
-
+def hash_sources(roots: list[str]) -> str:
+    """sha256 over the relative paths and contents of every ``.py`` file under ``roots``."""
     digest = hashlib.sha256()
-    roots = sorted({os.path.dirname(m.__file__) for m in (comera_compile, comera_compile.passes,
-                                                          comera_compile.kernels)})
-    for root in roots:
+    for root in sorted(roots):
         for folder, dirs, files in os.walk(root):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             for name in sorted(files):
@@ -35,8 +28,18 @@ def source_fingerprint() -> str:
                     digest.update(os.path.relpath(path, root).encode())
                     with open(path, "rb") as f:
                         digest.update(f.read())
-    digest.update(torch.__version__.encode())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """The hash of comera_compile's sources (passes and kernels included) and torch's version."""
+    import comera_compile
+    import comera_compile.kernels
+    import comera_compile.passes
+
+    roots = {os.path.dirname(m.__file__) for m in (comera_compile, comera_compile.passes, comera_compile.kernels)}
+    return hash_sources(sorted(roots)) + "-torch" + torch.__version__
 
 
 class SourceKeyedPass(CustomGraphPass):
