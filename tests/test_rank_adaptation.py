@@ -1,0 +1,555 @@
+"""RankAdaptation (issue 6): the penalty gradient, physical pruning, optimizer state, stages,
+compiled models, checkpoints and rank-0 layers. CPU, fp32."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.rank_adaptation import RankAdaptation, size_coefficients
+from comera_compile.tensorize import tt_parametrization
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is ~10x faster than two on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(nn.Module):
+    """A TT-matrix embedding, two TT linears; returns its loss when given targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.fc1 = nn.Linear(32, 96)
+        self.fc2 = nn.Linear(96, 32)
+
+    def forward(self, idx, target=None):
+        h = self.fc2(F.gelu(self.fc1(self.emb(idx))))
+        if target is None:
+            return h
+        return F.mse_loss(h, target)
+
+
+def make_net(seed=0, rank=6):
+    torch.manual_seed(seed)
+    net = Net()
+    cc.tensorize_(net, {
+        "emb": cc.TTConfig(rank=rank, min_size=0, modes=((4, 4, 4), (2, 4, 4))),
+        "fc1": cc.TTConfig(rank=rank, min_size=0, modes=((4, 8), (4, 4, 6))),
+        "fc2": cc.TTConfig(rank=rank, min_size=0, modes=((6, 4, 4), (8, 4))),
+    })
+    return net
+
+
+def batch(step, n=16):
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, 64, (n,), generator=g)
+    target = torch.randn(n, 32, generator=g)
+    return idx, target
+
+
+def tt_layers(net):
+    return {lay.fqn: lay for lay in cc.iter_tt_layers(net)}
+
+
+def randomize_gates(net, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lay in cc.iter_tt_layers(net):
+            for gate in lay.gates:
+                gate.copy_(torch.randn(gate.shape, generator=g))
+
+
+def core_modes(core):
+    """The chain mode of a core from its shape alone: n for [r, n, r], m * n for [r, m, n, r]."""
+    return math.prod(core.shape[1:-1])
+
+
+# ---------------------------------------------------------------------------------- the objective
+
+
+def explicit_size(net, coeffs_of):
+    """S(g) = sum_layers sum_k c_k |g_{k-1}|_1 |g_k|_1 in plain torch, differentiable in the gates."""
+    total = 0
+    for lay in cc.iter_tt_layers(net):
+        rho = [torch.ones(())] + [g.abs().sum() for g in lay.gates] + [torch.ones(())]
+        for k, c in enumerate(coeffs_of(lay)):
+            total = total + c * rho[k] * rho[k + 1]
+    return total
+
+
+def applied_gate_grads(net, opt, ranker):
+    """Run one optimizer step (lr 0) on zero gradients and return what the ranker added."""
+    seen = {}
+
+    def snapshot(optimizer, args, kwargs):
+        for lay in cc.iter_tt_layers(net):
+            seen[lay.fqn] = [g.grad.clone() for g in lay.gates]
+
+    handle = opt.register_step_pre_hook(snapshot)  # runs after the ranker's pre-hook
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("weight", ["params", "flops"])
+def test_penalty_gradient_equals_autograd_of_explicit_objective(weight):
+    net = make_net()
+    if weight == "params":
+        def coeffs_of(lay):
+            return [core_modes(c) for c in lay.cores]
+    else:
+        # Per-token FLOPs of streaming the input through the cores in order, written out by hand
+        # for these modes (Linear: input modes ((4, 8) / (6, 4, 4)) first; embedding: lookups).
+        hand = {
+            "fc1": [2 * 4 * 8, 2 * 8, 2 * 4, 2 * 4 * 4, 2 * 4 * 4 * 6],
+            "fc2": [2 * 6 * 4 * 4, 2 * 4 * 4, 2 * 4, 2 * 8, 2 * 8 * 4],
+            "emb": [2 * 2, 2 * 2 * 4, 2 * 2 * 4 * 4],
+        }
+
+        def coeffs_of(lay):
+            return hand[lay.fqn]
+    size_0 = explicit_size(net, coeffs_of).item()  # gates at 1: the normalization S_0
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.3, weight=weight, prune_every=0,
+                            loss_from="observe", switch="manual")
+    randomize_gates(net)
+    applied = applied_gate_grads(net, opt, ranker)
+
+    gates = [g for lay in cc.iter_tt_layers(net) for g in lay.gates]
+    objective = 0.3 * explicit_size(net, coeffs_of) / size_0
+    expected = torch.autograd.grad(objective, gates)
+    got = [g for lay in cc.iter_tt_layers(net) for g in applied[lay.fqn]]
+    assert len(got) == len(expected) == 2 + 4 + 4
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    assert ranker.history[-1]["gamma"] == 0.3 and ranker.history[-1]["stage"] == "early"
+
+
+def test_size_coefficients_params_are_chain_modes():
+    for lay in cc.iter_tt_layers(make_net()):
+        assert size_coefficients(lay.spec, "params") == [core_modes(c) for c in lay.cores]
+    with pytest.raises(ValueError, match="weight must be one of"):
+        size_coefficients(lay.spec, "bytes")
+
+
+# ---------------------------------------------------------------------------------- pruning
+
+
+def zero_some_gates(net):
+    """Zero a few gates per bond (a different pattern per bond); returns the kept indices."""
+    kept = {}
+    with torch.no_grad():
+        for lay in cc.iter_tt_layers(net):
+            kept[lay.fqn] = []
+            for k, g in enumerate(lay.gates):
+                drop = [i for i in range(g.numel()) if (i + k) % 3 == 0]
+                g[drop] = 0.0
+                kept[lay.fqn].append([i for i in range(g.numel()) if i not in drop])
+    return kept
+
+
+def test_pruning_preserves_function_and_slices_cores():
+    net = make_net()
+    randomize_gates(net)
+    kept = zero_some_gates(net)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, threshold=1e-3)
+    params_before = {id(p) for p in net.parameters()}
+    idx, _ = batch(0, n=40)
+    with torch.no_grad():
+        before = net(idx)
+    assert ranker.prune() is True
+    with torch.no_grad():
+        after = net(idx)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    for fqn, lay in tt_layers(net).items():
+        assert [g.numel() for g in lay.gates] == [len(k) for k in kept[fqn]]
+        ranks = tt_parametrization(lay.module).spec.ranks
+        assert [c.shape[0] for c in lay.cores] == list(ranks[:-1])
+        assert all(bool((g != 0).all()) for g in lay.gates)
+    assert {id(p) for p in net.parameters()} == params_before  # the same Parameter objects
+    assert ranker.prune() is False  # nothing left below the threshold
+    report = cc.compression_report(net)
+    assert ranker.num_params() == report.params
+    assert ranker.history == []  # prune() called directly records nothing; steps do
+
+
+def test_rank_multiple_rounds_up_with_the_largest_gates():
+    net = make_net(rank=12)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, threshold=0.5, rank_multiple=4)
+    fc1 = tt_layers(net)["fc1"]
+    with torch.no_grad():
+        g = fc1.gates[1]  # 12 gates: 5 above the threshold -> 8 kept, the 8 largest
+        g.copy_(torch.tensor([0.9, 0.01, 0.6, 0.2, 0.3, 0.8, 0.05, 0.7, 0.02, 0.1, 0.55, 0.4]))
+    ranker.prune()
+    assert fc1.gates[1].tolist() == pytest.approx([0.9, 0.6, 0.2, 0.3, 0.8, 0.7, 0.55, 0.4])
+    assert fc1.cores[1].shape[-1] == 8 and fc1.cores[2].shape[0] == 8
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd_momentum"])
+def test_optimizer_state_is_sliced_like_a_fresh_optimizer(kind):
+    def make_opt(params):
+        if kind == "adam":
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True)
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+    net = make_net()
+    opt = make_opt(net.parameters())
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0, loss_from="observe")
+    for step in range(3):  # populate the state
+        idx, target = batch(step)
+        net(idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+    kept = zero_some_gates(net)
+
+    # Reference: the pruned parameters sliced by hand, a fresh optimizer, its state sliced by hand.
+    ref = copy.deepcopy(net)
+    ref_opt = make_opt(ref.parameters())
+    ref_params = dict(ref.named_parameters())
+    names = {id(p): n for n, p in net.named_parameters()}
+    slices = {}
+    for (fqn, lay), ref_lay in zip(tt_layers(net).items(), tt_layers(ref).values()):
+        for k, keep in enumerate(kept[fqn]):
+            keep = torch.tensor(keep)
+            for p, dim in ((lay.cores[k], -1), (lay.gates[k], 0), (lay.cores[k + 1], 0)):
+                slices.setdefault(names[id(p)], []).append((dim, keep))
+    with torch.no_grad():
+        for name, p in ref_params.items():
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                     for k, v in opt.state[dict(net.named_parameters())[name]].items()}
+            new = p.data
+            for dim, keep in slices.get(name, []):
+                new = new.index_select(dim % new.dim(), keep)
+                for key, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        state[key] = v.index_select(dim % v.dim(), keep)
+            p.data = new.clone()
+            ref_opt.state[p] = state
+
+    ids_before = [id(p) for g in opt.param_groups for p in g["params"]]
+    ranker.prune()
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == ids_before
+    for name, p in net.named_parameters():
+        assert p.shape == ref_params[name].shape, name
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.shape == p.shape, (name, key)
+    for step in range(3, 5):  # both optimizers keep training the same way
+        idx, target = batch(step)
+        net(idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(idx, target).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_prune_with_a_live_previous_graph_and_pending_grads():
+    """The previous step's loss (and its graph) is still alive during the next forward in most
+    training loops, and zero_grad(set_to_none=False) keeps gradient tensors: both must follow."""
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    RankAdaptation(net, opt, target_compression=10, prune_every=2, threshold=0.999, gamma=1.0)
+    loss = None
+    for step in range(6):
+        idx, target = batch(step)
+        loss = net(idx, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert any(g.numel() < 6 for lay in cc.iter_tt_layers(net) for g in lay.gates)
+
+
+# ---------------------------------------------------------------------------------- rank 0
+
+
+def test_layer_losing_a_bond_becomes_a_zero_bias_only_layer():
+    net = make_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.1, prune_every=0)
+    for step in range(2):
+        idx, target = batch(step)
+        net(idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+    fc1 = tt_layers(net)["fc1"]
+    fc2_ranks = ranker.ranks()["fc2"]
+    with torch.no_grad():
+        fc1.gates[2].zero_()  # the whole bond is below the threshold
+    ranker.prune()
+    assert ranker.ranks()["fc1"] == [0, 0, 0, 0]
+    assert fc1.module.weight.abs().max() == 0
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(fc1.module(x), fc1.module.bias.expand(5, -1))
+    compiled = torch.compile(net, backend="comera", options={"inner": "aot_eager"})
+    for step in range(2, 6):  # keeps training, eager and compiled, and stays zero
+        idx, target = batch(step)
+        model = net if step < 4 else compiled
+        loss = model(idx, target)
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert fc1.module.weight.abs().max() == 0
+    assert fc1.module.bias.abs().sum() > 0
+    assert ranker.history[-1]["ranks"]["fc1"] == [0, 0, 0, 0]
+    assert ranker.history[-1]["ranks"]["fc2"] == fc2_ranks
+
+
+# ---------------------------------------------------------------------------------- stages
+
+
+def test_switch_by_step_number_and_late_stage_weights():
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=50, gamma=0.01, late_gamma=1.0, augment=0.1,
+                            switch=3, prune_every=0, loss_tolerance=0.0, loss_ema=0.0)
+    stages = []
+    for step in range(5):
+        idx, target = batch(step)
+        loss = net(idx, target)  # the forward hook records the scalar output
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stages.append((ranker.stage, ranker.history[-1]["gamma"]))
+    assert stages[:3] == [("early", 0.01)] * 3
+    assert ranker.switch_step == 3 and stages[3][0] == "late"
+    # The size (far above 1/50 of dense) is the worse objective while the loss sits at its target.
+    assert ranker.loss_target is not None and ranker.history[-1]["loss_avg"] is not None
+    assert stages[3][1] == 1.0
+    # Loss far above its target: only the augmentation term pushes the size.
+    ranker.loss_target = ranker.loss_avg / 100
+    idx, target = batch(9)
+    net(idx, target).backward()
+    opt.step()
+    assert ranker.history[-1]["gamma"] == pytest.approx(0.1)
+
+
+def test_switch_when_the_early_stage_converges_or_manually():
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=50, converge_window=5, converge_tol=0.01,
+                            loss_from="observe", prune_every=0, loss_ema=0.5)
+    losses = [4.0, 3.0, 2.0, 1.5, 1.2, 1.1, 1.05] + [1.04] * 20
+    for step, value in enumerate(losses):
+        ranker.observe(torch.tensor(value))
+        opt.step()
+        if ranker.stage == "late":
+            break
+    assert ranker.stage == "late"
+    assert 7 + 5 <= ranker.switch_step < len(losses)  # at least a window into the plateau
+    assert ranker.loss_target == pytest.approx(ranker.loss_avg * 1.02)
+
+    net = make_net()
+    manual = RankAdaptation(net, torch.optim.SGD(net.parameters(), lr=0.0), target_compression=5,
+                            switch="manual", prune_every=0)
+    for _ in range(3):
+        manual.optimizer.step()
+    assert manual.stage == "early"
+    with pytest.warns(UserWarning, match="without an observed loss"):
+        manual.switch_stage()
+    assert manual.stage == "late" and manual.switch_step == 3
+
+
+def test_bad_options_raise():
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="target_compression"):
+        RankAdaptation(net, opt, target_compression=0)
+    with pytest.raises(ValueError, match="weight must be one of"):
+        RankAdaptation(net, opt, target_compression=2, weight="bytes")
+    with pytest.raises(ValueError, match="switch must be"):
+        RankAdaptation(net, opt, target_compression=2, switch="later")
+    with pytest.raises(ValueError, match="no tensor-train layers"):
+        RankAdaptation(nn.Linear(3, 3), opt, target_compression=2)
+    with pytest.raises(ValueError, match="build the optimizer after tensorize_"):
+        RankAdaptation(net, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), target_compression=2)
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def train_teacher_task(gamma, steps=300, seed=0, noise=0.1):
+    """Regression onto a rank-2 TT teacher plus noise (loss floor noise**2) with a rank-8 student;
+    returns (mean loss of the last 30 steps, compression, ranker)."""
+    teacher = make_net(seed=100, rank=2)
+    student = make_net(seed=seed, rank=8)
+    opt = torch.optim.Adam(student.parameters(), lr=1e-2)
+    ranker = RankAdaptation(student, opt, target_compression=100, gamma=gamma, prune_every=25, threshold=2e-2,
+                            switch="manual")
+    losses = []
+    for step in range(steps):
+        idx, _ = batch(step, n=64)
+        with torch.no_grad():
+            target = teacher(idx) + noise * torch.randn(idx.shape[0], 32, generator=torch.Generator().manual_seed(step))
+        loss = student(idx, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    tail = sum(losses[-30:]) / 30
+    return tail, ranker.history[-1]["compression"], ranker
+
+
+def test_rank_adaptation_compresses_more_at_a_similar_loss():
+    loss_fixed, ratio_fixed, _ = train_teacher_task(gamma=0.0)
+    loss_adapt, ratio_adapt, ranker = train_teacher_task(gamma=0.05)
+    assert ranker.prune_events >= 1
+    assert ratio_adapt > 1.5 * ratio_fixed, (ratio_fixed, ratio_adapt)
+    assert loss_adapt < 1.2 * loss_fixed, (loss_fixed, loss_adapt)  # the floor is noise**2 = 0.01
+
+
+def test_history_and_plot(tmp_path, monkeypatch):
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=1.0, prune_every=3, threshold=0.99, switch=4)
+    for step in range(8):
+        idx, target = batch(step)
+        net(idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+    h = ranker.history
+    assert [e["step"] for e in h] == list(range(1, 9))
+    assert set(h[0]) >= {"step", "stage", "gamma", "ranks", "params", "compression"}
+    assert h[0]["stage"] == "early" and h[-1]["stage"] == "late"
+    assert h[-1]["params"] < h[0]["params"] and h[-1]["compression"] > h[0]["compression"]
+    json.dumps(h)
+    pytest.importorskip("matplotlib")
+    ranker.plot(tmp_path / "ranks.png")
+    assert (tmp_path / "ranks.png").stat().st_size > 1000
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        ranker.plot(tmp_path / "again.png")
+
+
+# ---------------------------------------------------------------------------------- compiled models
+
+
+def test_compiled_model_recompiles_once_per_pruning_event():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    config = torch._dynamo.config
+    limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # only pruning changes the model here
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=3, threshold=1e-3)
+    counter = CompileCounter()
+    compiled = torch.compile(net, backend=counter)
+    fc1 = tt_layers(net)["fc1"]
+    with torch._dynamo.config.patch({limit_name: 2}):  # a low limit: pruning must raise it
+        for step in range(15):
+            idx, target = batch(step)
+            loss = compiled(idx, target)  # the first forward after a shape change recompiles, once
+            assert counter.frame_count == 1 + ranker.prune_events, step
+            loss.backward()
+            if step % 3 == 2:  # one gate to prune at each pruning step
+                with torch.no_grad():
+                    fc1.gates[1][0] = 0.0
+            opt.step()
+            opt.zero_grad()
+        assert ranker.prune_events == 5 and ranker.ranks()["fc1"][1] == 6 - 5
+        assert getattr(config, limit_name) >= 2 + ranker.prune_events
+    torch._dynamo.reset()
+
+
+def test_comera_backend_follows_pruned_shapes():
+    torch._dynamo.reset()
+    net = make_net()
+    randomize_gates(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, threshold=1e-3)
+    compiled = torch.compile(net, backend="comera", options={"inner": "aot_eager"})
+    idx, target = batch(0)
+    compiled(idx, target).backward()
+    zero_some_gates(net)
+    ranker.prune()
+    out = compiled(idx)
+    torch.testing.assert_close(out, net(idx), rtol=1e-5, atol=1e-6)
+    loss = compiled(idx, target)
+    loss.backward()
+    for lay in cc.iter_tt_layers(net):
+        for p in list(lay.cores) + list(lay.gates):
+            assert p.grad.shape == p.shape
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+_RESUME = textwrap.dedent('''
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_rank_adaptation import make_net, run_steps, new_training
+    net, opt, ranker = new_training()
+    ckpt = torch.load({ckpt!r}, weights_only=False)
+    net.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optimizer"])
+    ranker.load_state_dict(ckpt["ranker"])
+    run_steps(net, opt, range(ckpt["step"], ckpt["step"] + 8))
+    torch.save({{"model": net.state_dict(), "ranker": ranker.state_dict()}}, {out!r})
+''')
+
+
+def new_training():
+    net = make_net()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # spread-out gates, so that pruning goes bond by bond
+        for lay in cc.iter_tt_layers(net):
+            for gate in lay.gates:
+                gate.copy_(0.5 + torch.rand(gate.shape, generator=g))
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-2, weight_decay=0.1)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=2.0, prune_every=3, threshold=0.7, switch=6)
+    return net, opt, ranker
+
+
+def run_steps(net, opt, steps):
+    for step in steps:
+        idx, target = batch(step)
+        net(idx, target).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_checkpoint_after_pruning_resumes_bitwise_in_a_fresh_process(tmp_path):
+    net, opt, ranker = new_training()
+    run_steps(net, opt, range(9))
+    assert ranker.prune_events >= 2 and ranker.stage == "late"
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "ranker": ranker.state_dict(),
+                "step": 9}, ckpt)
+    run_steps(net, opt, range(9, 17))
+    out = tmp_path / "resumed.pt"
+    script = _RESUME.format(tests=str(ROOT / "tests"), ckpt=str(ckpt), out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=120)
+    resumed = torch.load(out, weights_only=False)
+    state = net.state_dict()
+    assert resumed["model"].keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(resumed["model"][key], value), key
+    assert resumed["ranker"]["history"] == ranker.state_dict()["history"]
+    assert resumed["ranker"]["prune_events"] == ranker.prune_events
