@@ -831,7 +831,12 @@ def _reduce(nll: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Ten
     return total / valid.sum()
 
 
-@torch.library.custom_op("comera::linear_cross_entropy", mutates_args=())
+# The op validates targets on the host and syncs once per sparse round, which CUDA-graph capture
+# forbids: the tag makes Inductor keep it out of captured graphs (mode="reduce-overhead").
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("comera::linear_cross_entropy", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def _lce_op(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
     softcap: float, ignore_index: int, label_smoothing: float, reduction: str, backward: str,
@@ -862,7 +867,7 @@ def _lce_fake(x, weight, target, bias, softcap, ignore_index, label_smoothing, r
     return loss, x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
 
 
-@torch.library.custom_op("comera::linear_cross_entropy_backward", mutates_args=())
+@torch.library.custom_op("comera::linear_cross_entropy_backward", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def _lce_backward_op(
     grad_loss: torch.Tensor, grad_lse: Optional[torch.Tensor], x: torch.Tensor,
     weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
