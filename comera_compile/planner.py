@@ -240,7 +240,7 @@ class Step:
     bytes: int
     launches: int
     token_sized: bool
-    kernel: str = "torch.einsum"
+    kernel: str = "torch.mm"
 
     def describe(self) -> str:
         return (f"  {self.phase:<14} {self.out:<10} = {self.equation:<24} ({', '.join(self.inputs)})"
@@ -483,12 +483,7 @@ def _cost_tree(net: _Net, tree, dtype_bytes: int, fused_ok: bool) -> dict:
         merges = [s for s in keep if s.phase == "merge"]
         rec_m = [s for s in keep if s.phase == "recompute"]
         mb = [s for s in keep if s.phase == "merge_backward"]
-        # the token-independent steps of each phase run as one launch of triton:tt_program
-        def program(steps):
-            return [dataclasses.replace(s, launches=int(i == 0), kernel="triton:tt_program")
-                    for i, s in enumerate(steps)]
-
-        all_steps = program(merges) + [fwd] + program(rec_m) + [bwd_f, dA, dB] + program(mb)
+        all_steps = merges + [fwd] + rec_m + [bwd_f, dA, dB] + mb
         recomputed = [s.out for s in rec_m] + [f"{t_name} (inside triton:tt_xlr_bwd)"]
         fused_tag = "xlr"
     else:

@@ -15,8 +15,10 @@ planned together). The op runs the plan:
   ``_xlr_bwd_kernel`` computes ``T = X L``, ``U = dY Rᵀ`` and ``dX = U Lᵀ`` in one pass (T and U
   are written, they are rank-sized); ``dL = Xᵀ U`` and ``dR = Tᵀ dY`` are two cuBLAS GEMMs. Inputs
   bf16/fp16/fp32, fp32 accumulation. Other plans run their pairwise steps as torch einsums.
-* the backward of every token-independent step is the mirrored pair of small einsums, then the
-  gate gradients.
+* the backward of every token-independent step is the mirrored pair of small GEMMs, then the
+  gate gradients. ``use_program(True)`` (or ``COMERA_TT_PROGRAM=1``) runs all token-independent
+  steps of a phase as one ``_program_kernel`` launch instead (fewer launches; slower under CUDA
+  graphs on the H200, see ``use_program``).
 
 Triton is used for CUDA tensors, or under ``TRITON_INTERPRET=1`` when ``COMERA_FORCE_TRITON=1``
 (or inside ``use_impl("triton")``); otherwise the torch path (any float dtype, float64 included).
@@ -45,7 +47,7 @@ try:  # Triton is optional on CPU-only installs.
 except ImportError:  # pragma: no cover
     _HAS_TRITON = False
 
-__all__ = ["tt_linear", "use_impl", "plan_for"]
+__all__ = ["tt_linear", "use_impl", "use_program", "plan_for"]
 
 _IMPLS = ("auto", "triton", "torch")
 _IMPL = ["auto"]
@@ -606,8 +608,26 @@ def _try_program(plan: Plan, core_shapes: tuple, a_name: str, b_name: str, flips
     return prog
 
 
+_PROGRAM = [os.environ.get("COMERA_TT_PROGRAM") == "1"]
+
+
+@contextlib.contextmanager
+def use_program(enabled: bool):
+    """Run the token-independent work as ``_program_kernel`` launches (off by default).
+
+    Measured on the H200 (benchmarks/results_tt.md): one launch per phase instead of ~60 cuts the
+    eager time, but the single-CTA step interpreter is latency-bound (tiles run one after another,
+    each waiting on its global loads), so under CUDA graphs it is 2-5x slower than the torch ops."""
+    old = _PROGRAM[0]
+    _PROGRAM[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _PROGRAM[0] = old
+
+
 def _program_for(plan: Plan, cores, a_name: str, b_name: str):
-    if not _HAS_TRITON or plan.split is None:
+    if not _PROGRAM[0] or not _HAS_TRITON or plan.split is None:
         return None
     prog = _build_program(plan, tuple(tuple(c.shape) for c in cores), a_name, b_name)
     if prog is not None and cores[0].is_cuda and cores[0].device not in prog.rows \

@@ -64,9 +64,10 @@ def test_gradcheck_float64(case):
         torch.testing.assert_close(gr, gref, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("dedup", [True, False])
+@pytest.mark.parametrize("dedup,program", [(True, False), (False, False), (True, True)],
+                         ids=["dedup", "no-dedup", "dedup-program"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_triton_interpreter_matches_reference(case, dedup, monkeypatch):
+def test_triton_interpreter_matches_reference(case, dedup, program, monkeypatch):
     from comera_compile.kernels import tt_embedding as mod
 
     calls = []
@@ -78,11 +79,13 @@ def test_triton_interpreter_matches_reference(case, dedup, monkeypatch):
     idx = _indices(rows, (19,), seed=4)
     d = len(cores)
     leaves = [t.requires_grad_() for t in [*cores, *gates]]
-    with use_impl("triton"), use_dedup(dedup):
+    from comera_compile.kernels.tt_linear import use_program
+
+    with use_impl("triton"), use_dedup(dedup), use_program(program):
         y = tt_embedding(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
         dy = torch.randn_like(y)
         grads = torch.autograd.grad(y, leaves, dy)
-    assert set(calls) == {"_run_program", "_fwd_triton", "_bwd_triton"}, calls
+    assert set(calls) == {"_fwd_triton", "_bwd_triton"} | ({"_run_program"} if program else set()), calls
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     y_ref = ref.embedding_reference(idx, l64[:d], l64[d:], fmt, rm, cm, rows, cols)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
