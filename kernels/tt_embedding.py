@@ -186,7 +186,9 @@ def _tables(plan: EmbeddingPlan, cores, gates, mdtype, prog=None):
         A = _region(prog, plan, S, a).reshape(plan.table_shapes[0])
         B = _region(prog, plan, S, b).reshape(plan.table_shapes[1])
         return S, A, B
-    env = {f"G{k + 1}": v for k, v in enumerate(gated_core_views(cores, gates, mdtype))}
+    views, converted = gated_core_views(cores, gates, mdtype, return_converted=True)
+    env = {f"G{k + 1}": v for k, v in enumerate(views)}
+    env["converted"] = converted
     for s in plan.steps_in("merge"):
         env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
     a, b = plan.tables
@@ -255,7 +257,8 @@ def _backward_impl(grad, indices, cores, gates, fmt, row_modes, col_modes, rows,
     env["d" + b] = _uncanonical(plan, b, dB.to(mdtype).reshape(canonical(plan, b, env[b]).shape))
     for s in plan.steps_in("merge_backward"):
         env[s.out] = _einsum(s.equation, env[s.inputs[0]], env[s.inputs[1]], mdtype)
-    dcores, dgates = gated_core_grads(cores, gates, [env[f"dG{k + 1}"] for k in range(len(cores))])
+    dcores, dgates = gated_core_grads(cores, gates, [env[f"dG{k + 1}"] for k in range(len(cores))],
+                                      env["converted"])
     return torch.cat([t.reshape(-1).to(cores[0].dtype) for t in dcores + dgates])
 
 

@@ -85,22 +85,33 @@ def merge_dtype(cores: Sequence[torch.Tensor]) -> torch.dtype:
     return torch.promote_types(cores[0].dtype, torch.float32)
 
 
-def gated_core_views(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], dtype: torch.dtype):
-    """Cores with each gate absorbed into the core on its left and the boundary ranks squeezed."""
+def gated_core_views(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], dtype: torch.dtype,
+                     return_converted: bool = False):
+    """Cores with each gate absorbed into the core on its left and the boundary ranks squeezed
+    (and, with ``return_converted``, the cores and gates in ``dtype``, for ``gated_core_grads``).
+
+    Cores and gates of another dtype are converted together (one concatenation, one cast) rather
+    than one launch per tensor."""
     d = len(cores)
+    if any(t.dtype != dtype for t in list(cores) + list(gates)):
+        flat = torch.cat([t.reshape(-1) for t in list(cores) + list(gates)]).to(dtype)
+        parts = torch.split(flat, [t.numel() for t in list(cores) + list(gates)])
+        cores = [p.view(c.shape) for p, c in zip(parts[:d], cores)]
+        gates = list(parts[d:])
     out = []
     for k, core in enumerate(cores):
-        c = core if core.dtype == dtype else core.to(dtype)
-        if k < d - 1:
-            c = c * (gates[k] if gates[k].dtype == dtype else gates[k].to(dtype))
+        c = core * gates[k] if k < d - 1 else core
         out.append(c.reshape(c.shape[1:] if k == 0 else c.shape[:-1] if k == d - 1 else c.shape))
-    return out
+    return (out, (list(cores), list(gates))) if return_converted else out
 
 
-def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], dviews: Sequence[torch.Tensor]):
+def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], dviews: Sequence[torch.Tensor],
+                     converted=None):
     """Gradients of the cores and gates from the gradients of ``gated_core_views`` (the views may
-    be permuted: each result is written once, contiguous, in the parameter's dtype)."""
+    be permuted: each result is written once, contiguous, in the parameter's dtype).
+    ``converted``: the (cores, gates) in the views' dtype from ``gated_core_views``."""
     d = len(cores)
+    ccores, cgates = converted if converted is not None else (cores, gates)
     dcores, dgates = [], []
     for k, (core, dv) in enumerate(zip(cores, dviews)):
         if k == 0:
@@ -109,9 +120,11 @@ def gated_core_grads(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor
             dv = dv.unsqueeze(-1)
         out = torch.empty(core.shape, device=core.device, dtype=core.dtype)
         if k < d - 1:
-            c = core if core.dtype == dv.dtype else core.to(dv.dtype)
+            c, g = ccores[k], cgates[k]
+            c = c if c.dtype == dv.dtype else c.to(dv.dtype)
+            g = g if g.dtype == dv.dtype else g.to(dv.dtype)
             dgates.append((dv * c).sum(dim=tuple(range(dv.dim() - 1))).to(gates[k].dtype))
-            torch.mul(dv, gates[k] if gates[k].dtype == dv.dtype else gates[k].to(dv.dtype), out=out)
+            torch.mul(dv, g, out=out)
         else:
             out.copy_(dv)
         dcores.append(out)
@@ -427,8 +440,8 @@ def _fused_halves(plan: Plan, env: dict, rows: int, cols: int, tdtype: torch.dty
     _, a_name, b_name = step.inputs
     A, B = canonical(plan, a_name, env[a_name]), canonical(plan, b_name, env[b_name])
     r = A.shape[-1]
-    L = A.reshape(-1, r)[:rows].to(tdtype)
-    R = B.reshape(-1, r)[:cols].to(tdtype)
+    L = A.reshape(-1, r)[:rows]  # the kernels cast tiles to the activation dtype on load
+    R = B.reshape(-1, r)[:cols]
     return a_name, b_name, A, B, L, R
 
 
@@ -721,7 +734,7 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
                 _run_program(prog, S, "bwd", _precision(tdtype))
                 flat = S[prog.grad_base:prog.grad_base + prog.n_in].to(cores[0].dtype, copy=True)
                 return dx2.reshape(x.shape), flat
-        views = gated_core_views(cores, gates, mdtype)
+        views, converted = gated_core_views(cores, gates, mdtype, return_converted=True)
         env = {f"G{k + 1}": v for k, v in enumerate(views)}
         _run(plan, env, ("merge",), tdtype, mdtype)
         a_name, b_name, A, B, L, R = _fused_halves(plan, env, rows, cols, tdtype)
@@ -738,7 +751,8 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
         _run(plan, env, ("merge_backward",), tdtype, mdtype)
         dx = dx2
     else:
-        env = _leaf_views(plan, x2, gated_core_views(cores, gates, mdtype), row_modes, rows)
+        views, converted = gated_core_views(cores, gates, mdtype, return_converted=True)
+        env = _leaf_views(plan, x2, views, row_modes, rows)
         _run(plan, env, ("recompute",), tdtype, mdtype)
         dy_pad = dy
         o_pad = math.prod(col_modes)
@@ -748,7 +762,7 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
         _run(plan, env, ("backward", "merge_backward"), tdtype, mdtype)
         dx = env["dx"].reshape(n, -1)[:, :rows]
     dviews = [env[f"dG{k + 1}"] for k in range(len(cores))]
-    dcores, dgates = gated_core_grads(cores, gates, dviews)
+    dcores, dgates = gated_core_grads(cores, gates, dviews, converted)
     flat = torch.cat([t.reshape(-1).to(cores[0].dtype) for t in dcores + dgates])
     return dx.reshape(x.shape).to(x.dtype).contiguous(), flat
 

@@ -136,3 +136,21 @@ def test_opcheck():
             list(rm), list(cm), rows, cols]
     torch.library.opcheck(torch.ops.comera.tt_embedding.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_low_precision_cores():
+    """bf16 cores: tables merged in fp32, rows and gradients returned in bf16."""
+    fmt, rm, cm, ranks, rows, cols = CASES[2]
+    cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.bfloat16, seed=3)
+    d = len(cores)
+    leaves = [t.requires_grad_() for t in [*cores, *gates]]
+    idx = _indices(rows, (17,), seed=9)
+    y = tt_embedding(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = ref.embedding_reference(idx, l64[:d], l64[d:], fmt, rm, cm, rows, cols)
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2)
+    for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
+        torch.testing.assert_close(gr.double(), gref, rtol=3e-2, atol=3e-2)

@@ -163,3 +163,25 @@ def test_bad_metadata_names_the_op():
     x, cores, gates, b = _inputs(CASES[2], torch.float64)
     with pytest.raises(ValueError, match="comera::tt_linear"):
         tt_linear(x, cores[:-1], gates, b, fmt, rm, cm, rows, cols)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_low_precision_cores(impl):
+    """bf16 cores and gates with fp32 activations: merged in fp32, gradients returned in bf16."""
+    case = CASES[3]
+    fmt, rm, cm, ranks, rows, cols = case
+    x, cores, gates, b = _inputs(case, torch.float32, lead=(9,), seed=11)
+    cores = [c.to(torch.bfloat16).requires_grad_() for c in cores]
+    gates = [g.to(torch.bfloat16).requires_grad_() for g in gates]
+    x.requires_grad_()
+    d = len(cores)
+    with use_impl(impl):
+        y = tt_linear(x, cores, gates, None, fmt, rm, cm, rows, cols)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, [x] + cores + gates, dy)
+    assert y.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in grads[1:])
+    l64 = [t.detach().double().requires_grad_() for t in [x] + cores + gates]
+    y_ref = ref.linear_reference(l64[0], l64[1:1 + d], l64[1 + d:], None, fmt, rm, cm, rows, cols)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
+    for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
+        torch.testing.assert_close(gr.double(), gref, rtol=2e-2, atol=2e-2)
