@@ -8,13 +8,15 @@ token-independent), so the network is the chain of cores plus the activation.
 A contraction order is a binary *contraction tree* over ``x`` and the cores. The planner builds
 candidate trees:
 
-* ``split@k``: the cores left of bond k merged into one tensor, the cores right of it into another,
-  and the token-sized work is two contractions (``(x·A)·B`` or ``(x·B)·A``). At the bond between
+* ``split@k``: the cores left of bond k merged into one tensor, the cores right of it into another
+  (each half merged in its cheapest order: an interval dynamic programme over the chain), and the
+  token-sized work is two contractions (``(x·A)·B`` or ``(x·B)·A``). At the bond between
   the row and the column cores of the ``"tt"`` format this is CoMERA's path: A = L [I, r],
   B = R [r, O], forward ``(X L) R``, backward four token-sized GEMMs (dY Rᵀ, ·Lᵀ, T1ᵀ dY, Xᵀ U1),
   every core gradient then token-independent.
-* opt_einsum paths over the whole network (``dp``, ``greedy``, ...), which may interleave ``x``
-  with single cores;
+* opt_einsum paths over the whole network (``dp`` and ``greedy`` up to 6 cores, ``greedy`` and
+  ``branch-1`` beyond, to stay within the 15 ms plan budget), which may interleave ``x`` with
+  single cores;
 * ``dense`` (merge every core into the weight, then one GEMM), kept for comparison and chosen only
   with ``allow_dense=True``: the compiled graph must never form the dense weight.
 
@@ -23,7 +25,9 @@ contraction ``C = P·Q`` is the two contractions ``dP = dC·Q`` and ``dQ = P·dC
 the backward needs are recomputed (the op returns only ``y``), except inside the fused Triton kernels,
 which keep the rank-sized intermediate on chip. Costs are FLOPs, bytes moved and kernel launches,
 folded into one time estimate ``Σ max(flops / 790 TFLOP/s, bytes / 4.3 TB/s) + launches · 3 µs``
-(H200, bf16). The plan is plain data: ``print(plan.describe())`` shows every step with its cost.
+(H200, bf16); a tree whose forward FLOPs exceed 8x the best one's is not costed further. The plan
+is plain data: ``print(plan.describe())`` shows every step with its cost, the alternatives and the
+baselines; ``Plan.steps`` is what the ops execute (each pairwise step is one GEMM).
 
 Baseline ``torch.einsum`` default: a TT layer written as one ``torch.einsum(eq, x, G1, ..., Gd)``
 is contracted by torch left to right (operand 0 with 1, the result with operand 2, ...) when
@@ -303,10 +307,6 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.3g}{unit}"
     return f"{x:.3g}"
-
-
-def _step_time(flops: int, nbytes: int, launches: int) -> float:
-    return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) + launches * LAUNCH_S
 
 
 # ----------------------------------------------------------------------------- trees
