@@ -287,6 +287,13 @@ class Plan:
     def steps_in(self, *phases: str) -> tuple[Step, ...]:
         return tuple(s for s in self.steps if s.phase in phases)
 
+    def summary(self) -> str:
+        """One line for ``explain``: the path, its fwd+bwd costs and the ratio to torch.einsum's."""
+        tok = sum(1 for s in self.steps if s.token_sized)
+        return (f"{self.strategy}{' [fused ' + self.fused + ']' if self.fused else ''}: {tok} token-sized steps, "
+                f"{_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches fwd+bwd "
+                f"({self.flops / max(1, self.einsum_default_flops):.2f}x torch.einsum's FLOPs)")
+
     def describe(self) -> str:
         head = (f"{self.kind} {self.fmt} rows={list(self.row_modes)} cols={list(self.col_modes)} "
                 f"ranks={list(self.ranks)} tokens={self.n_tokens}: {self.strategy}"

@@ -8,13 +8,14 @@ The contraction order comes from ``comera_compile.planner.plan_tt_linear`` (forw
 planned together). The op runs the plan:
 
 * gates are absorbed into the core on their left (fp32, token-independent);
-* token-independent merges (e.g. CoMERA's L = G1·G2·G3 and R = G4·G5·G6) are small einsums;
+* token-independent merges (e.g. CoMERA's L = G1·G2·G3 and R = G4·G5·G6) are small GEMMs (one
+  ``torch.mm`` per pairwise step, over strided views);
 * token-sized steps: when the plan is the fused (x·L)·R chain (the ``"tt"`` format split at the
   bond between row and column cores, rank ≤ 128) and Triton applies, ``_xlr_fwd_kernel`` computes
   ``Y = (X L) R (+ bias)`` per token block with the ``[BLOCK_M, r]`` intermediate in registers, and
   ``_xlr_bwd_kernel`` computes ``T = X L``, ``U = dY Rᵀ`` and ``dX = U Lᵀ`` in one pass (T and U
   are written, they are rank-sized); ``dL = Xᵀ U`` and ``dR = Tᵀ dY`` are two cuBLAS GEMMs. Inputs
-  bf16/fp16/fp32, fp32 accumulation. Other plans run their pairwise steps as torch einsums.
+  bf16/fp16/fp32, fp32 accumulation. Other plans run their pairwise steps as torch GEMMs.
 * the backward of every token-independent step is the mirrored pair of small GEMMs, then the
   gate gradients. ``use_program(True)`` (or ``COMERA_TT_PROGRAM=1``) runs all token-independent
   steps of a phase as one ``_program_kernel`` launch instead (fewer launches; slower under CUDA

@@ -160,3 +160,8 @@ def test_embedding_plan():
     assert plan_tt_embedding("ttm", (16, 20, 10, 10), (4, 4, 8, 6), (1, 32, 32, 32, 1), 8192) is plan
     assert plan.plan_time_s < 15e-3
     assert "A[320, 16, 32]" in plan.describe()
+
+
+def test_summary_line_for_explain():
+    line = plan_tt_linear(*COMERA_768, 4096).summary()
+    assert line.startswith("split@3") and "FLOP" in line and "torch.einsum" in line and "\n" not in line
