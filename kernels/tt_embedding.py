@@ -200,7 +200,7 @@ def _tables(plan: EmbeddingPlan, cores, gates, mdtype, prog=None):
 def _rows_torch(idx, A, B, cols):
     ir_ = B.shape[0]
     a, b = A[idx // ir_], B[idx % ir_]
-    return torch.einsum("uor,upr->uop", a, b).reshape(idx.numel(), -1)[:, :cols]
+    return torch.einsum("uor,upr->uop", a, b).reshape(idx.numel(), A.shape[1] * B.shape[1])[:, :cols]
 
 
 def _forward_impl(indices, cores, gates, fmt, row_modes, col_modes, rows, cols):

@@ -701,7 +701,7 @@ def _forward_impl(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
         return y.reshape(*lead, cols)
     env = _leaf_views(plan, x2, gated_core_views(cores, gates, mdtype), row_modes, rows)
     _run(plan, env, ("merge", "forward"), tdtype, mdtype)
-    y = env["y"].reshape(n, -1)[:, :cols]
+    y = env["y"].reshape(n, math.prod(col_modes))[:, :cols]
     if bias is not None:
         y = y + bias.to(tdtype)
     return y.reshape(*lead, cols).contiguous()
@@ -761,7 +761,7 @@ def _backward_impl(grad, x, cores, gates, fmt, row_modes, col_modes, rows, cols)
             dy_pad = torch.nn.functional.pad(dy, (0, o_pad - cols))
         env["dy"] = dy_pad.reshape(n, *col_modes)
         _run(plan, env, ("backward", "merge_backward"), tdtype, mdtype)
-        dx = env["dx"].reshape(n, -1)[:, :rows]
+        dx = env["dx"].reshape(n, math.prod(row_modes))[:, :rows]
     dviews = [env[f"dG{k + 1}"] for k in range(len(cores))]
     dcores, dgates = gated_core_grads(cores, gates, dviews, converted)
     flat = torch.cat([t.reshape(-1).to(cores[0].dtype) for t in dcores + dgates])

@@ -154,3 +154,18 @@ def test_low_precision_cores():
     torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2)
     for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
         torch.testing.assert_close(gr.double(), gref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_scalar_and_empty_indices(impl):
+    fmt, rm, cm, ranks, rows, cols = CASES[1]
+    cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32)
+    d = len(cores)
+    with use_impl(impl):
+        y = tt_embedding(torch.tensor(rows - 1), cores, gates, fmt, rm, cm, rows, cols)
+        torch.testing.assert_close(y.double(), ref.embedding_reference(
+            torch.tensor(rows - 1), [c.double() for c in cores], [g.double() for g in gates], fmt, rm, cm, rows,
+            cols), rtol=1e-5, atol=1e-5)
+        assert tt_embedding(torch.zeros(0, 3, dtype=torch.long), cores, gates, fmt, rm, cm, rows, cols).shape == \
+            (0, 3, cols)
+    assert d == 3

@@ -186,3 +186,17 @@ def test_low_precision_cores(impl):
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
     for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
         torch.testing.assert_close(gr.double(), gref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_zero_tokens(impl):
+    case = CASES[3]
+    fmt, rm, cm, ranks, rows, cols = case
+    x, cores, gates, b = _inputs(case, torch.float32, lead=(0,))
+    leaves = [t.requires_grad_() for t in [x, *cores, *gates, b]]
+    d = len(cores)
+    with use_impl(impl):
+        y = tt_linear(leaves[0], leaves[1:1 + d], leaves[1 + d:-1], leaves[-1], fmt, rm, cm, rows, cols)
+        grads = torch.autograd.grad(y.sum(), leaves)
+    assert y.shape == (0, cols)
+    assert all(float(g.abs().sum()) == 0.0 for g in grads)
