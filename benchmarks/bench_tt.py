@@ -368,6 +368,7 @@ def main():
     ap.add_argument("--only", choices=["linear", "embedding"])
     ap.add_argument("--json")
     ap.add_argument("--compile-budget-s", type=float, default=120.0)
+    ap.add_argument("--fmt", choices=["tt", "ttm"], help="only linear shapes of this format")
     args = ap.parse_args()
     torch.manual_seed(0)
     global DEV, DT, LINEAR_SHAPES, EMB_SHAPES
@@ -379,7 +380,8 @@ def main():
     print(torch.__version__, torch.cuda.get_device_name() if DEV == "cuda" else "cpu", flush=True)
     rows = []
     if args.only != "embedding":
-        for shape in ([LINEAR_SHAPES[0], LINEAR_SHAPES[4]] if args.quick else LINEAR_SHAPES):
+        shapes = [LINEAR_SHAPES[0], LINEAR_SHAPES[4]] if args.quick else LINEAR_SHAPES
+        for shape in [sh for sh in shapes if args.fmt in (None, sh[1])]:
             run_linear(*shape, args.quick, rows)
             torch.cuda.empty_cache()
             if args.json:
