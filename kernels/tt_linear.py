@@ -441,8 +441,10 @@ def _fused_halves(plan: Plan, env: dict, rows: int, cols: int, tdtype: torch.dty
     _, a_name, b_name = step.inputs
     A, B = canonical(plan, a_name, env[a_name]), canonical(plan, b_name, env[b_name])
     r = A.shape[-1]
-    L = A.reshape(-1, r)[:rows]  # the kernels cast tiles to the activation dtype on load
-    R = B.reshape(-1, r)[:cols]
+    # the fused kernels take L and R in the activation dtype: fp32 tiles cost the 32768-token
+    # layers 2-3x (measured on the H200, results_tt.md run C)
+    L = A.reshape(-1, r)[:rows].to(tdtype)
+    R = B.reshape(-1, r)[:cols].to(tdtype)
     return a_name, b_name, A, B, L, R
 
 
