@@ -5,12 +5,14 @@ the user's model, loss and training loop stay as they are:
 
 * **step pre-hook** adds ``d(gamma_t * S(g)) / dg`` to the rank gates' gradients. ``S`` is the size
   of the tensor-train layers as a function of the gates, ``S = sum_layers sum_k c_k * rho_{k-1} * rho_k``
-  with ``rho_k = ||g_k||_1`` (the l0 "rank" of bond k relaxed to l1; ``rho_0 = rho_d = 1``), normalized
-  by its value when the ranker was built. ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
+  with ``rho_k = ||g_k||_1`` (the l0 "rank" of bond k relaxed to l1; ``rho_0 = rho_d = 1``), divided
+  by ``W_0``, the mean over all gates of ``dS/d|g|`` when the ranker was built, so that ``gamma`` is the
+  average gate's penalty gradient at the start (loss gradients on gates are ~1e-4..1e-3 in
+  examples/train_lm.py). ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
   ``S`` counts core parameters, so each gate's penalty is weighted by the parameters its rank carries)
   or, with ``weight="flops"``, the per-token multiply-adds of contracting core k when the input
   streams through the cores in order (a proxy: the planner may pick another order). The gradient is
-  ``gamma_t * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / S_0``.
+  ``gamma_t * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``.
 * **step post-hook** prunes every ``prune_every`` steps: per bond, gates with ``|g| < threshold``
   are removed and the cores on both sides are sliced physically (``param.data`` replaced, same
   Parameter objects); the surviving gates keep their values (no rescaling), so the layer computes
@@ -210,8 +212,15 @@ class RankAdaptation:
         report = compression_report(self.model)
         self.dense_params = report.dense_params
         self.target_params = self.dense_params / self.target_compression
+        if self.target_params <= report.other_params:
+            warnings.warn(
+                f"RankAdaptation: target_compression={target_compression:g} allows {self.target_params:,.0f} "
+                f"parameters, but the layers that are not tensor trains already hold {report.other_params:,}: "
+                f"the target is unreachable (the largest reachable compression is below "
+                f"{self.dense_params / max(report.other_params, 1):.1f}x); the late stage will keep pruning",
+                stacklevel=2)
         self._coeffs = [size_coefficients(lay.spec, weight) for lay in self.layers]
-        self._size_ref = max(self.relaxed_size(), 1e-30)
+        self._size_ref = max(self._mean_gate_weight(), 1e-30)
 
         self.step = 0
         self.stage = "early"
@@ -278,6 +287,16 @@ class RankAdaptation:
             rho = [1.0] + self._gate_l1(layer) + [1.0]
             total += sum(c * rho[k] * rho[k + 1] for k, c in enumerate(coeffs))
         return total
+
+    def _mean_gate_weight(self) -> float:
+        """Mean over all gates of ``dS / d|g_{k,i}| = c_k rho_{k-1} + c_{k+1} rho_{k+1}``."""
+        total, count = 0.0, 0
+        for layer, coeffs in zip(self.layers, self._coeffs):
+            rho = [1.0] + self._gate_l1(layer) + [1.0]
+            for k, g in enumerate(layer.gates):
+                total += (coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]) * g.numel()
+                count += g.numel()
+        return total / max(count, 1)
 
     def ranks(self) -> dict[str, list[int]]:
         """Current internal ranks of every layer (0 on every bond of a zeroed layer)."""
@@ -349,15 +368,17 @@ class RankAdaptation:
 
     @torch.no_grad()
     def penalty_gradients(self, gamma: float) -> list[list[torch.Tensor]]:
-        """``d(gamma * S(g) / S_0) / dg`` for every layer's gates (zero on zeroed layers)."""
+        """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (zero on zeroed layers)."""
         out = []
         scale = gamma / self._size_ref
         for layer, coeffs in zip(self.layers, self._coeffs):
-            rho = [1.0] + self._gate_l1(layer) + [1.0]
+            # Tensors throughout: no host synchronization on the GPU.
+            l1 = [g.detach().abs().sum() for g in layer.gates]
+            rho = [1.0] + l1 + [1.0]
             grads = []
             for k, g in enumerate(layer.gates):  # gate k sits on bond k + 1, between cores k and k + 1
                 w = coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]
-                grads.append(torch.sign(g.detach()) * (scale * w))
+                grads.append(torch.sign(g.detach()) * (w * scale))
             out.append(grads)
         return out
 
@@ -535,7 +556,7 @@ class RankAdaptation:
         self._gamma_t = state["gamma_t"]
         self.history = [dict(h) for h in state["history"]]
         self._limit_base = state.get("limit_base")
-        self._size_ref = float(state["size_ref"])  # S_0 of the model as first built, not as loaded
+        self._size_ref = float(state["size_ref"])  # W_0 of the model as first built, not as loaded
         if self.prune_events:
             self._raise_recompile_limit()
 

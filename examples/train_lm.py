@@ -149,6 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tensorize Linear and Embedding layers to tensor trains of this rank (cc.tensorize_)")
     g.add_argument("--rank-adapt", type=float, default=None, metavar="TARGET_COMPRESSION",
                    help="rank-adaptive training toward this compression ratio (cc.RankAdaptation); needs --tensorize")
+    g.add_argument("--rank-adapt-options", type=json.loads, default=None, metavar="JSON",
+                   help='more RankAdaptation options, e.g. \'{"gamma": 0.002, "prune_every": 25, "switch": 200}\'')
+    g.add_argument("--rank-plot", type=Path, default=None, metavar="PNG",
+                   help="with --rank-adapt: plot ranks, compression and loss over training here (needs matplotlib)")
     g = p.add_argument_group("logging")
     g.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps and at the end; 0: end only")
     g.add_argument("--eval-batches", type=int, default=8)
@@ -159,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
+    if (args.rank_adapt_options or args.rank_plot) and args.rank_adapt is None:
+        p.error("--rank-adapt-options and --rank-plot need --rank-adapt TARGET_COMPRESSION")
     if args.backend == "eager" and (args.compile_options or args.dynamic):
         p.error("--compile-options and --dynamic apply to torch.compile; --backend eager does not compile")
     if args.explain and args.backend != "comera":
@@ -205,9 +211,15 @@ def rank_adaptation(model: nn.Module, opt: torch.optim.Optimizer, args: argparse
     """Hook for issue 6: the ranker registers optimizer step hooks; the training loop is unchanged."""
     if args.rank_adapt is None:
         return None
-    if cc is None or not hasattr(cc, "RankAdaptation"):
-        raise NotImplementedError("--rank-adapt needs comera_compile.RankAdaptation (issue 6), not available in this build")
-    return cc.RankAdaptation(model, opt, target_compression=args.rank_adapt)
+    try:
+        from comera_compile.rank_adaptation import RankAdaptation
+    except ImportError:
+        raise NotImplementedError("--rank-adapt needs comera_compile.RankAdaptation (issue 6), not available in this build") from None
+    ranker = RankAdaptation(model, opt, target_compression=args.rank_adapt, **(args.rank_adapt_options or {}))
+    print(f"rank adaptation: target {args.rank_adapt:g}x of {ranker.dense_params:,} dense parameters "
+          f"(<= {ranker.target_params:,.0f}); gamma {ranker.gamma:g}, prune every {ranker.prune_every} steps, "
+          f"switch {ranker.switch}")
+    return ranker
 
 
 class Progress:
@@ -353,7 +365,14 @@ def main(argv: list[str] | None = None) -> dict:
         log["steps"].append({"step": step + 1, "loss": loss_value, "lr": lr, "seconds": seconds,
                              "tokens_per_s": tokens_per_step / seconds})
         avg_rate = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / seconds
-        progress.update(step, loss=f"{loss_value:.3f}", tok_s=f"{avg_rate:,.0f}")
+        if ranker is not None:
+            rank_state = ranker.history[-1]
+            log["steps"][-1].update(params=rank_state["params"], compression=rank_state["compression"],
+                                    stage=rank_state["stage"])
+            progress.update(step, loss=f"{loss_value:.3f}", tok_s=f"{avg_rate:,.0f}",
+                            ratio=f"{rank_state['compression']:.1f}x", stage=rank_state["stage"])
+        else:
+            progress.update(step, loss=f"{loss_value:.3f}", tok_s=f"{avg_rate:,.0f}")
         last = step + 1 == args.steps
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
             val_loss = evaluate(compiled, data, args, device, autocast)
@@ -370,8 +389,17 @@ def main(argv: list[str] | None = None) -> dict:
     first = "first step (compiling)" if compiled is not model else "first step"
     print(f"done: {args.steps} steps in {log['total_s']:.1f}s ({first} {log['first_step_s']:.1f}s) | {rate} | loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} "
           f"| val {log['evals'][-1]['val_loss']:.3f} | peak {memory_kind} {log['peak_memory_bytes'] / 2**20:,.0f} MiB")
-    if ranker is not None and hasattr(ranker, "history"):
+    log["final_parameters"] = sum(p.numel() for p in model.parameters())
+    log["compression"] = dense_params / log["final_parameters"]
+    if ranker is not None:
         log["rank_history"] = ranker.history
+        log["prune_events"] = ranker.prune_events
+        print(f"rank adaptation: {ranker.prune_events} pruning events, stage {ranker.stage}, "
+              f"{log['final_parameters']:,} parameters ({log['compression']:.1f}x); ranks {ranker.ranks()}")
+        if args.rank_plot is not None:
+            args.rank_plot.parent.mkdir(parents=True, exist_ok=True)
+            ranker.plot(str(args.rank_plot), losses=[(e["step"], e["loss"]) for e in log["steps"]])
+            print(f"rank plot written to {args.rank_plot}")
     if args.sample_tokens:
         text = sample(model, data, args, device, prompt="def ")
         print("sample:\n" + text)
