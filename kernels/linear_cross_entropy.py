@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,6 +86,24 @@ class _Tuning:
 
 
 _TUNING = _Tuning()
+
+
+def _fit(cfg: _Tuning, x: torch.Tensor) -> _Tuning:
+    """Tiles that fit in shared memory for ``x``'s dtype.
+
+    The defaults are tuned for 2-byte inputs; 4-byte (fp32) tiles at the same shapes and stages
+    need up to ~390 KB of shared memory (the H200 has 227 KB), so fp32 on a GPU gets tiles of a
+    quarter of the size (at most ~64 KB per kernel). The interpreter has no such limit.
+    """
+    if not x.is_cuda or x.element_size() <= 2:
+        return cfg
+    return dataclasses.replace(
+        cfg, fwd_block_m=min(cfg.fwd_block_m, 64), fwd_block_n=min(cfg.fwd_block_n, 128),
+        fwd_block_k=min(cfg.fwd_block_k, 32), fwd_stages=min(cfg.fwd_stages, 2),
+        bwd_block_m=min(cfg.bwd_block_m, 64), bwd_block_n=min(cfg.bwd_block_n, 64),
+        bwd_block_k=min(cfg.bwd_block_k, 32), bwd_stages=min(cfg.bwd_stages, 2),
+        cons_block_d=min(cfg.cons_block_d, 64), cons_stages=min(cfg.cons_stages, 2),
+        dense_block_n=min(cfg.dense_block_n, 128))
 
 # Bookkeeping of the last Triton backward: sparse_rounds, dense_chunks, tiles (all tiles),
 # kept_sparse (tiles kept by the sparse rounds), sparse_blocks (vocabulary blocks they covered).
@@ -458,7 +477,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _triton_forward(x, weight, target, bias, softcap, label_smoothing):
     """Returns lse, softcapped target logit, logit sum (or None), all fp32 [N]."""
-    cfg = _TUNING
+    cfg = _fit(_TUNING, x)
     N, D = x.shape
     V = weight.shape[0]
     BM, BN, BK = cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_block_k
@@ -538,7 +557,7 @@ def _triton_backward(x, weight, target, bias, lse, pcoef, tcoef, scoef, softcap,
     `dense_after_rounds` rounds, the rest of the vocabulary goes through dense chunks: the gradient
     of a vocabulary chunk is written whole and reduced with two library GEMMs (dX in fp32).
     """
-    cfg = _TUNING
+    cfg = _fit(_TUNING, x)
     N, D = x.shape
     V = weight.shape[0]
     dev = x.device
