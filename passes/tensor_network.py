@@ -53,6 +53,22 @@ def _plan_text(kind: str, n_tokens, cores, fmt, row_modes, col_modes, dtype, on_
     return plan.describe()
 
 
+def _commit(kind: str, node: fx.Node, new: fx.Node, w: fx.Node, ctx: PassContext, summary: str,
+            n_tokens, dtype: torch.dtype, on_gpu: bool) -> bool:
+    """Check and commit ``new`` in place of ``node``; record the rewrite with its plan, or the skip."""
+    cores, _, fmt, row_modes, col_modes, *_ = _meta(w)
+    where = module_name(node)
+    try:
+        checked_replace(node, new, erase=[w])
+    except RewriteRejected as exc:
+        ctx.skip(kind, str(exc), where)
+        return False
+    shared = " (the dense weight is still formed for its other users)" if w.graph is not None and w.users else ""
+    ctx.rewrite(kind, where, f"{summary}, {len(cores)} cores{shared}\n" + _plan_text(
+        kind, n_tokens, cores, fmt, row_modes, col_modes, dtype, on_gpu))
+    return True
+
+
 def _rewrite_linear(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassContext) -> bool:
     cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = _meta(w)
     where = module_name(node)
@@ -72,15 +88,8 @@ def _rewrite_linear(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassCont
                                      (x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols))
     fx_ = fake(node.args[0])
     n_tokens = math.prod(fx_.shape[:-1]) if fx_.dim() > 1 else 1
-    try:
-        checked_replace(node, new, erase=[w])
-    except RewriteRejected as exc:
-        ctx.skip("tt_linear", str(exc), where)
-        return False
-    shared = " (the dense weight is still formed for its other users)" if w.graph is not None and w.users else ""
-    ctx.rewrite("tt_linear", where, f"{fmt} {rows}->{cols}, {len(cores)} cores{shared}\n" + _plan_text(
-        "tt_linear", n_tokens, cores, fmt, row_modes, col_modes, out_dtype, fx_.device.type == "cuda"))
-    return True
+    return _commit("tt_linear", node, new, w, ctx, f"{fmt} {rows}->{cols}", n_tokens, out_dtype,
+                   fx_.device.type == "cuda")
 
 
 def _rewrite_embedding(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassContext) -> bool:
@@ -103,16 +112,8 @@ def _rewrite_embedding(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassC
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(torch.ops.comera.tt_embedding.default,
                                      (idx, cores, gates, fmt, row_modes, col_modes, rows, cols))
-    n_tokens = math.prod(fake(idx).shape)
-    try:
-        checked_replace(node, new, erase=[w])
-    except RewriteRejected as exc:
-        ctx.skip("tt_embedding", str(exc), where)
-        return False
-    shared = " (the dense weight is still formed for its other users)" if w.graph is not None and w.users else ""
-    ctx.rewrite("tt_embedding", where, f"{fmt} {rows}x{cols}, {len(cores)} cores{shared}\n" + _plan_text(
-        "tt_embedding", n_tokens, cores, fmt, row_modes, col_modes, fake(node).dtype, False))
-    return True
+    return _commit("tt_embedding", node, new, w, ctx, f"{fmt} {rows}x{cols}", math.prod(fake(idx).shape),
+                   fake(node).dtype, False)
 
 
 def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
