@@ -101,6 +101,13 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
     return [2.0 * math.prod(cm[: k + 1]) * rm[k] * math.prod(rm[k + 1:]) for k in range(d)]
 
 
+def _collective_device(dist, default: torch.device) -> torch.device:
+    """NCCL only reduces CUDA tensors; gloo takes CPU tensors (and CUDA ones)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if default.type != "cuda" else default
+
+
 def _dist_world():
     import torch.distributed as dist
 
@@ -260,9 +267,9 @@ class RankAdaptation:
         dist = _dist_world()
         if dist is not None:
             # Every rank must call: a rank without a loss contributes NaN-free zeros and a count of 0.
-            t = torch.zeros(2, dtype=torch.float64)
+            t = torch.zeros(2, dtype=torch.float64, device=_collective_device(dist, self.layers[0].gates[0].device))
             if loss is not None:
-                t[0], t[1] = float(loss.float().reshape(())), 1.0
+                t[0], t[1] = loss.detach().reshape(()).to(t), 1.0
             dist.all_reduce(t)
             loss = None if t[1] == 0 else t[0] / t[1]
         if loss is None:
@@ -310,13 +317,14 @@ class RankAdaptation:
     def effective_params(self) -> int:
         """The model's parameters with each bond's rank counted as its gates >= threshold."""
         total = self.num_params()
+        gates = [g for layer in self.layers for g in layer.gates]
+        counts = iter(torch.stack([(g.detach().abs() >= self.threshold).sum() for g in gates]).tolist())  # one sync
         for layer in self.layers:
             spec = tt_parametrization(layer.module).spec  # layer.spec holds the ranks at iteration time
             total -= spec.num_params
-            if layer.fqn in self.dead:
-                continue
-            ranks = [1] + [int((g.detach().abs() >= self.threshold).sum()) for g in layer.gates] + [1]
-            total += spec.with_ranks(ranks).num_params
+            ranks = [1] + [next(counts) for _ in layer.gates] + [1]
+            if layer.fqn not in self.dead:
+                total += spec.with_ranks(ranks).num_params
         return total
 
     # ------------------------------------------------------------------------------ stages
@@ -428,10 +436,7 @@ class RankAdaptation:
         dist = _dist_world()
         if dist is not None:
             flat = torch.cat([m for lay in mags for m in lay])
-            device = self.layers[0].gates[0].device
-            if dist.get_backend() == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            flat = flat.to(device)
+            flat = flat.to(_collective_device(dist, self.layers[0].gates[0].device))
             dist.broadcast(flat, src=0)
             flat, i = flat.cpu(), 0
             for lay in mags:

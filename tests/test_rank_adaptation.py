@@ -561,3 +561,31 @@ def test_checkpoint_after_pruning_resumes_bitwise_in_a_fresh_process(tmp_path, r
         assert torch.equal(resumed["model"][key], value), key
     assert resumed["ranker"]["history"] == ranker.state_dict()["history"]
     assert resumed["ranker"]["prune_events"] == ranker.prune_events
+
+
+# ---------------------------------------------------------------------------------- the example
+
+
+def test_train_lm_rank_adapt_flag(tmp_path):
+    """examples/train_lm.py --tensorize R --rank-adapt TARGET through the comera backend: pruning
+    happens, the compiled model follows, the log and the plot carry ranks and compression."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_train_lm_ra", ROOT / "examples" / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    out, plot = tmp_path / "log.json", tmp_path / "ranks.png"
+    args = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8",
+            "--steps", "12", "--lr", "1e-2", "--eval-every", "0", "--eval-batches", "1", "--max-corpus-mb", "1",
+            "--device", "cpu", "--no-progress", "--seed", "0", "--tensorize", "4", "--rank-adapt", "1.5",
+            "--rank-adapt-options", '{"prune_every": 4, "threshold": 0.995, "gamma": 0.01}',
+            "--compile-options", '{"inner": "aot_eager"}', "--out", str(out), "--rank-plot", str(plot)]
+    log = train_lm.main(args)
+    assert all(math.isfinite(s["loss"]) for s in log["steps"])
+    assert log["prune_events"] >= 1
+    assert log["steps"][-1]["compression"] > log["steps"][0]["compression"]
+    assert log["compression"] == pytest.approx(log["steps"][-1]["compression"])
+    assert len(log["rank_history"]) == 12 and plot.stat().st_size > 1000
+    assert json.loads(out.read_text())["prune_events"] == log["prune_events"]
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--rank-plot", str(plot)])
