@@ -39,7 +39,9 @@ The switch happens at step ``switch`` (an int), when the early stage has converg
 **The loss.** With ``loss_from="output"`` (default) a forward hook on ``model`` records its output
 when it is a scalar tensor (a model that returns its loss, as ``model(x, labels)`` does in
 examples/train_lm.py); otherwise call :meth:`observe` with the loss each step (``loss_from="observe"``
-turns the hook off). The hook is ``torch._dynamo.disable``'d, so it never enters a compiled graph.
+turns the hook off). The hook records in training mode only and is ``torch._dynamo.disable``'d,
+so it never enters a compiled graph. The penalty is added in the step, i.e. after any gradient
+clipping the loop does.
 
 **Compiled models.** Dynamo guards on parameter shapes (parameters are static), so the compiled
 model recompiles once after a pruning event that changes shapes and the comera planner re-plans
