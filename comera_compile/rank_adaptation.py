@@ -65,7 +65,8 @@ import torch
 from torch import nn
 
 from comera_compile import tt
-from comera_compile.tensorize import TTLayer, _unwrap, compression_report, iter_tt_layers, tt_parametrization
+from comera_compile.tensorize import (TTLayer, _unwrap, compression_report, iter_tt_layers, set_parameter_data_,
+                                      tt_parametrization)
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +117,6 @@ def _dist_world():
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
-
-
-def _replace_data(p: nn.Parameter, new: torch.Tensor) -> None:
-    """``p.data = new`` with a new shape, for good.
-
-    Autograd caches a leaf's gradient accumulator (with the leaf's shape) while any graph holds it,
-    e.g. the previous step's ``loss`` still alive in the user's loop; ``.data = `` only drops that
-    cache when the dtype or device changes. Passing through another dtype drops it, so the next
-    forward builds an accumulator of the new shape.
-    """
-    other = torch.float64 if new.dtype != torch.float64 else torch.float32
-    p.data = new.new_empty(0, dtype=other)
-    p.data = new
 
 
 class RankAdaptation:
@@ -466,7 +454,7 @@ class RankAdaptation:
             if isinstance(value, torch.Tensor) and value.shape == shape:
                 state[key] = value.index_select(dim, idx.to(value.device))
         grad = None if p.grad is None else p.grad.index_select(dim, idx)
-        _replace_data(p, p.data.index_select(dim, idx))
+        set_parameter_data_(p, p.data.index_select(dim, idx))
         p.grad = grad
 
     def _zero_param(self, p: nn.Parameter) -> None:

@@ -125,6 +125,19 @@ class TTConfig:
             raise ValueError(f"TTConfig.max_pad must be >= 0, got {self.max_pad}")
 
 
+def set_parameter_data_(p: nn.Parameter, new: torch.Tensor) -> None:
+    """``p.data = new`` with a new shape, for good.
+
+    Autograd caches a leaf's gradient accumulator (with the leaf's shape) while any graph holds it,
+    e.g. the previous step's ``loss`` still alive in the user's loop; ``.data = `` only drops that
+    cache when the dtype or device changes. Passing through another dtype drops it, so the next
+    forward builds an accumulator of the new shape.
+    """
+    other = torch.float64 if new.dtype != torch.float64 else torch.float32
+    p.data = new.new_empty(0, dtype=other)
+    p.data = new
+
+
 class TTParametrization(nn.Module):
     """A layer's weight as TT cores: ``forward`` is one ``comera::tt_materialize`` call.
 
@@ -189,7 +202,7 @@ class TTParametrization(nn.Module):
                 saved = state_dict.get(f"{prefix}{name}.{i}")
                 if (isinstance(saved, torch.Tensor) and saved.dim() == p.dim()
                         and saved.shape != p.shape and saved.shape[1:-1] == p.shape[1:-1]):
-                    p.data = p.data.new_empty(saved.shape)
+                    set_parameter_data_(p, p.data.new_empty(saved.shape))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

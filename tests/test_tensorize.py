@@ -367,6 +367,24 @@ def test_state_dict_round_trip_changed_ranks(tmp_path):
         c.load_state_dict(torch.load(path), strict=False)
 
 
+def test_load_changed_ranks_while_an_old_graph_is_alive(tmp_path):
+    a = _tensorized_tiny(seed=0)
+    layers = {layer.fqn: layer for layer in iter_tt_layers(a)}
+    _prune(layers["fc1"], 2, 3)
+    path = tmp_path / "pruned.pt"
+    torch.save(a.state_dict(), path)
+    idx = torch.randint(0, 101, (4, 6))
+
+    b = _tensorized_tiny(seed=1)
+    old_loss = b(idx).square().mean()  # keeps the old-shape gradient accumulators alive
+    b.load_state_dict(torch.load(path))
+    b(idx).square().mean().backward()  # must accumulate into the new shapes
+    for layer in iter_tt_layers(b):
+        for core in layer.cores:
+            assert core.grad is not None and core.grad.shape == core.shape
+    del old_loss
+
+
 def test_densify_restores_plain_dense_weights():
     m = _tensorized_tiny()
     idx = torch.randint(0, 101, (4, 6))
