@@ -397,19 +397,17 @@ def _pair_eq_uncached(net: _Net, a: frozenset, b: frozenset) -> tuple[str, str, 
     return ia, ib, ic, flops
 
 
+def _internal_nodes(tree) -> list:
+    """The pairwise contractions of a contraction tree (nested tuples of leaf names), in post-order."""
+    if isinstance(tree, str):
+        return []
+    return _internal_nodes(tree[0]) + _internal_nodes(tree[1]) + [tree]
+
+
 def _cost_tree(net: _Net, tree, dtype_bytes: int, fused_ok: bool) -> dict:
     """Steps and totals of forward + backward for one contraction tree."""
     steps: list[Step] = []
-    internal = []  # (tree node) in post-order
-
-    def visit(t):
-        if isinstance(t, str):
-            return
-        visit(t[0])
-        visit(t[1])
-        internal.append(t)
-
-    visit(tree)
+    internal = _internal_nodes(tree)
     root = _leaves(tree)
     names = {}
     for t in internal:
@@ -648,16 +646,7 @@ class EmbeddingPlan:
 def _merge_steps(net: _Net, tree, dtype_bytes: int) -> tuple[list[Step], list[Step]]:
     """Forward and backward steps of merging a subtree of cores (token-independent)."""
     fwd: list[Step] = []
-    internal = []
-
-    def visit(t):
-        if isinstance(t, str):
-            return
-        visit(t[0])
-        visit(t[1])
-        internal.append(t)
-
-    visit(tree)
+    internal = _internal_nodes(tree)
     for t in internal:
         a, b = _leaves(t[0]), _leaves(t[1])
         ia, ib, ic, flops = _pair_eq(net, a, b)
