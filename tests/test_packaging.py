@@ -1,0 +1,25 @@
+"""A normal (non-editable) install ships passes/ and kernels/ as comera_compile.passes/.kernels and nothing
+else at the top level, with the torch_dynamo_backends entry point."""
+
+import glob
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_wheel_layout(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = glob.glob(str(tmp_path / "*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"comera_compile", "comera_compile-0.1.0.dist-info"}
+    for module in ("passes/cce.py", "passes/tensor_network.py", "kernels/linear_cross_entropy.py",
+                   "kernels/tt_linear.py", "kernels/tt_embedding.py", "kernels/tt_materialize.py"):
+        assert f"comera_compile/{module}" in names
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[torch_dynamo_backends]" in text and "comera = comera_compile.backend:comera_backend" in text
