@@ -28,6 +28,7 @@ import comera_compile  # noqa: F401  (maps comera_compile.kernels in a source ch
 from comera_compile.kernels.tt_embedding import tt_embedding, use_dedup
 from comera_compile.kernels.tt_linear import tt_linear
 from comera_compile.planner import plan_tt_embedding, plan_tt_linear
+from comera_compile.tt import materialize as tt_reference_materialize, spec_from_cores
 
 PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12
 COMPILED = []  # torch.compile'd einsum variants, timed last (compilation is slow), while time allows
@@ -65,14 +66,9 @@ def make_cores(fmt, rm, cm, ranks, target_std, seed=0):
 
 
 def materialize(cores, gates, fmt, rm, cm):
-    cur = cores[0]
-    for k in range(1, len(cores)):
-        cur = torch.tensordot(cur * gates[k - 1], cores[k], dims=([cur.dim() - 1], [0]))
-    t = cur.squeeze(0).squeeze(-1)
-    if fmt == "ttm":
-        a = len(rm)
-        t = t.permute([2 * i for i in range(a)] + [2 * i + 1 for i in range(a)])
-    return t.reshape(math.prod(rm), math.prod(cm))
+    """The padded dense matrix, through the package's reference contraction (not the op under test)."""
+    spec = spec_from_cores(cores, fmt, rm, cm, math.prod(rm), math.prod(cm), False)
+    return tt_reference_materialize(cores, gates, spec)
 
 
 def einsum_eq(fmt, rm, cm):
@@ -90,6 +86,14 @@ def einsum_eq(fmt, rm, cm):
         else:
             terms.append(left + rows[k] + cols[k] + right)
     return "n" + rows + "," + ",".join(terms) + "->n" + cols
+
+
+def chain(cs):
+    """Contract a list of cores along their bonds, left to right."""
+    out = cs[0]
+    for c in cs[1:]:
+        out = torch.tensordot(out, c, dims=([out.dim() - 1], [0]))
+    return out
 
 
 def gated(cores, gates):
@@ -185,21 +189,11 @@ def run_linear(name, fmt, rm, cm, ranks, n, quick, rows_out):
 
     def two_gemm_fwd(x, cores, gates):
         gc = gated(cores, gates)
+        left = chain([gc[0].squeeze(0)] + gc[1:split])
+        right = chain(gc[split:])
         if fmt == "tt":
-            L = gc[0].squeeze(0)
-            for c in gc[1:split]:
-                L = torch.tensordot(L, c, dims=([L.dim() - 1], [0]))
-            R = gc[split]
-            for c in gc[split + 1:]:
-                R = torch.tensordot(R, c, dims=([R.dim() - 1], [0]))
-            return (x @ L.reshape(I, -1)) @ R.reshape(-1, O)
-        A = gc[0].squeeze(0)
-        for c in gc[1:split]:
-            A = torch.tensordot(A, c, dims=([A.dim() - 1], [0]))
-        B = gc[split]
-        for c in gc[split + 1:]:
-            B = torch.tensordot(B, c, dims=([B.dim() - 1], [0]))
-        B = B.squeeze(-1)
+            return (x @ left.reshape(I, -1)) @ right.reshape(-1, O)
+        A, B = left, right.squeeze(-1)
         h = split
         # A [m1 n1 m2 n2 ... r], B [r m n ...]; contract like ours: (x·A)·B
         a_rows = "abcdefgh"[:h]
