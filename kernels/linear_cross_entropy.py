@@ -49,7 +49,7 @@ try:  # Triton is optional on CPU-only installs.
 except ImportError:  # pragma: no cover
     _HAS_TRITON = False
 
-__all__ = ["linear_cross_entropy", "default_filter_eps"]
+__all__ = ["linear_cross_entropy", "default_filter_eps", "fused_loss_pays", "MIN_FUSED_VOCAB"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKWARDS = ("filtered", "exact")
@@ -109,6 +109,21 @@ def _fit(cfg: _Tuning, x: torch.Tensor) -> _Tuning:
 # kept_sparse (tiles kept by the sparse rounds), sparse_blocks (vocabulary blocks they covered).
 _LAST_STATS: dict = {}
 _SPARSE_BROKEN: list = []  # set (with the reason) when the sparse kernel failed to build here
+
+
+MIN_FUSED_VOCAB = 4096
+
+
+def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device_type: str) -> tuple[bool, str]:
+    """Whether fusing a ``[n_tokens, hidden] x [vocab, hidden]`` head with its cross-entropy is
+    expected to pay; ``(False, reason)`` when it is not (the cce pass then leaves the loss alone).
+
+    Below ``MIN_FUSED_VOCAB`` classes the logits are no larger than the hidden states, so the fused
+    op saves no memory, and its extra launches and logits recompute only cost time."""
+    if vocab < MIN_FUSED_VOCAB:
+        return False, (f"vocabulary {vocab} < {MIN_FUSED_VOCAB}: the logits [{n_tokens}, {vocab}] are small, "
+                       "so the fused loss saves no memory and its recompute costs time")
+    return True, ""
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
