@@ -16,6 +16,7 @@ from comera_compile.options import CompileOptions, OptionsError  # noqa: E402
 from comera_compile.pass_manager import PassContext, list_passes, register_pass, unregister_pass  # noqa: E402
 from comera_compile.report import Report, RewriteRecord, SkipRecord  # noqa: E402
 from comera_compile.fx_utils import RewriteRejected, checked_replace  # noqa: E402
+from comera_compile import matching  # noqa: E402  (the matching vocabulary shared by passes)
 from comera_compile.tt import TTSpec  # noqa: E402
 from comera_compile.tensorize import (  # noqa: E402
     CompressionReport,
@@ -56,6 +57,7 @@ __all__ = [
     "linear_cross_entropy",
     "list_passes",
     "logger",
+    "matching",
     "plan_tt_embedding",
     "plan_tt_linear",
     "register_pass",

@@ -1,0 +1,352 @@
+"""The matching vocabulary of the comera passes: what a node calls, and with which arguments.
+
+A Dynamo graph records one operation in several forms: ``torch.add(a, b)``, ``a + b`` (``operator.add``)
+and ``a.add(b)`` (a ``call_method`` node whose target is the string ``"add"``), with arguments given
+positionally or by keyword. A pass that recognizes only one form misses the others; one that reads
+``node.args[1]`` reads the wrong thing when the caller wrote ``other=``. This module gives every pass,
+built-in or custom, the same answers:
+
+* **target sets** (``LINEAR``, ``MATMUL``, ``ADD``, ``CROSS_ENTROPY``, ``RESHAPE``, ...): frozensets holding
+  the functions and, as strings, the method names of one operation;
+* :func:`is_call` / :func:`is_method`: does a node call one of them;
+* :func:`bind`: the node's arguments by parameter name, defaults filled in, whether they were passed
+  positionally or by keyword (``F.cross_entropy(input=..., target=...)``);
+* :meth:`Bound.blocking`: the first argument a pass does not understand (``alpha=2.0``,
+  ``rounding_mode='floor'``, ``out=``, an in-place variant), so that it can leave the node alone and say why.
+
+Example (a pass that only handles a plain ``a + b``)::
+
+    from comera_compile import matching as M
+
+    if M.is_call(node, M.ADD):
+        call = M.bind(node)
+        problem = call.blocking("input", "other")   # e.g. "alpha=2.0", "in-place add_"
+        if problem is None:
+            a, b = call["input"], call["other"]
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = [
+    "ADD", "ADDMM", "CAST", "CROSS_ENTROPY", "DIV", "EMBEDDING", "FLATTEN", "GETITEM", "IDENTITY",
+    "LINEAR", "LINEAR_CROSS_ENTROPY", "LOG_SOFTMAX", "MATMUL", "MUL", "NARROW", "NLL_LOSS", "PERMUTE",
+    "RESHAPE", "SELECT", "SQUEEZE", "SUB", "TANH", "TRANSPOSE", "UNFLATTEN", "UNSQUEEZE",
+    "Bound", "bind", "call_name", "describe", "is_call", "is_inplace", "is_method", "same_size",
+]
+
+
+def _ops(*functions: Any, methods: Iterable[str] = ()) -> frozenset:
+    """A target set: the functions, each method name, and each method's ``torch.Tensor`` descriptor."""
+    names = tuple(methods)
+    return frozenset(functions) | frozenset(names) | frozenset(getattr(torch.Tensor, n) for n in names)
+
+
+LINEAR = _ops(torch._C._nn.linear)  # F.linear is the same object
+EMBEDDING = _ops(F.embedding, torch.embedding)
+MATMUL = _ops(operator.matmul, torch.matmul, torch.mm, methods=("matmul", "mm"))
+ADDMM = _ops(torch.addmm, methods=("addmm",))
+ADD = _ops(operator.add, torch.add, methods=("add",))
+SUB = _ops(operator.sub, torch.sub, torch.subtract, methods=("sub", "subtract"))
+MUL = _ops(operator.mul, torch.mul, torch.multiply, methods=("mul", "multiply"))
+DIV = _ops(operator.truediv, torch.div, torch.divide, torch.true_divide, methods=("div", "divide", "true_divide"))
+TANH = _ops(torch.tanh, F.tanh, methods=("tanh",))
+CROSS_ENTROPY = _ops(F.cross_entropy)
+NLL_LOSS = _ops(F.nll_loss)
+LOG_SOFTMAX = _ops(F.log_softmax, torch.log_softmax, torch.special.log_softmax, methods=("log_softmax",))
+LINEAR_CROSS_ENTROPY = _ops(*[f for f in (getattr(F, "linear_cross_entropy", None),) if f is not None])
+RESHAPE = _ops(torch.reshape, methods=("view", "reshape"))
+FLATTEN = _ops(torch.flatten, methods=("flatten",))
+UNFLATTEN = _ops(torch.unflatten, methods=("unflatten",))
+TRANSPOSE = _ops(torch.transpose, torch.swapaxes, torch.swapdims, methods=("transpose", "swapaxes", "swapdims"))
+PERMUTE = _ops(torch.permute, methods=("permute",))
+SELECT = _ops(torch.select, methods=("select",))
+NARROW = _ops(torch.narrow, methods=("narrow",))
+SQUEEZE = _ops(torch.squeeze, methods=("squeeze",))
+UNSQUEEZE = _ops(torch.unsqueeze, methods=("unsqueeze",))
+GETITEM = _ops(operator.getitem)
+IDENTITY = _ops(torch.clone, methods=("contiguous", "clone"))  # same values, possibly a new layout
+CAST = _ops(methods=("float", "double", "half", "bfloat16", "to", "type"))  # read the dtype from the fake values
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                                operator.setitem})
+
+
+def call_name(node: Any) -> str:
+    """A short name for what ``node`` calls: ``"add"``, ``"view"``, ``"cross_entropy"``, ``"iadd"``."""
+    if not isinstance(node, fx.Node):
+        return type(node).__name__
+    if isinstance(node.target, str):
+        return node.target
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def is_call(node: Any, targets: Iterable[Any]) -> bool:
+    """``node`` calls one of ``targets``: a function (``call_function``) or a method named there."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    return node.target in targets
+
+
+def is_method(node: Any, names: str | Iterable[str]) -> bool:
+    """``node`` is a method call (``x.name(...)``) with one of ``names``."""
+    names = {names} if isinstance(names, str) else set(names)
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+
+
+def is_inplace(node: Any) -> bool:
+    """``node`` writes into one of its inputs: ``x.add_(y)``, ``x += y``, ``torch.tanh_(x)``, ``x[i] = y``."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    name = call_name(node)
+    return name.endswith("_") and not name.startswith("_")
+
+
+def describe(node: Any) -> str:
+    """``"torch.add (add_1)"``-style text naming a node for ``explain``."""
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if node.op == "call_method":
+        return f".{node.target}() ({node.name})"
+    if node.op == "call_function":
+        module = getattr(node.target, "__module__", None) or ""
+        prefix = {"_operator": "operator.", "torch": "torch.", "torch.nn.functional": "F.",
+                  "torch._C._nn": "F."}.get(module, "")
+        return f"{prefix}{call_name(node)} ({node.name})"
+    return f"{node.op} {node.name}"
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Two sizes (ints or ``torch.SymInt``) are known to be equal, without installing a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures: each stub has the parameter names and defaults of the torch op (``self`` is
+# ``input``); torch's builtins carry no inspectable signature.
+# ---------------------------------------------------------------------------------------------
+
+_SIGNATURES: dict[Any, Callable] = {}
+
+
+def _signature_of(*targets: Any) -> Callable[[Callable], Callable]:
+    def register(stub: Callable) -> Callable:
+        for target in targets:
+            _SIGNATURES[target] = stub
+        return stub
+
+    return register
+
+
+@_signature_of(torch.add, torch.sub, torch.subtract, operator.add, operator.sub, operator.iadd, operator.isub,
+               "add", "sub", "subtract", "add_", "sub_", "subtract_")
+def _add(input, other, *, alpha=1, out=None): ...
+
+
+@_signature_of(torch.mul, torch.multiply, torch.true_divide, operator.mul, operator.truediv, operator.imul,
+               operator.itruediv, operator.floordiv, operator.matmul, torch.matmul,
+               "mul", "multiply", "true_divide", "matmul", "mul_", "multiply_", "true_divide_")
+def _binary(input, other, *, out=None): ...
+
+
+@_signature_of(torch.div, torch.divide, "div", "divide", "div_", "divide_")
+def _div(input, other, *, rounding_mode=None, out=None): ...
+
+
+@_signature_of(torch.mm, "mm")
+def _mm(input, mat2, *, out_dtype=None, out=None): ...
+
+
+@_signature_of(torch.addmm, "addmm", "addmm_")
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out_dtype=None, out=None): ...
+
+
+@_signature_of(torch._C._nn.linear)
+def _linear(input, weight, bias=None): ...
+
+
+@_signature_of(torch.embedding)
+def _aten_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False): ...
+
+
+@_signature_of(torch.tanh, "tanh", "tanh_", torch.tanh_)
+def _unary(input, *, out=None): ...
+
+
+@_signature_of(torch.log_softmax, torch.special.log_softmax, "log_softmax")
+def _log_softmax(input, dim, dtype=None, *, out=None): ...
+
+
+@_signature_of("view")
+def _view(input, *size): ...
+
+
+@_signature_of("reshape")
+def _reshape_method(input, *shape): ...
+
+
+@_signature_of(torch.reshape)
+def _reshape(input, shape): ...
+
+
+@_signature_of(torch.flatten, "flatten")
+def _flatten(input, start_dim=0, end_dim=-1): ...
+
+
+@_signature_of(torch.unflatten, "unflatten")
+def _unflatten(input, dim, sizes): ...
+
+
+@_signature_of(torch.transpose, torch.swapdims, "transpose", "swapdims", "transpose_", "swapdims_")
+def _transpose(input, dim0, dim1): ...
+
+
+@_signature_of(torch.swapaxes, "swapaxes", "swapaxes_")
+def _swapaxes(input, axis0, axis1): ...
+
+
+@_signature_of(torch.permute)
+def _permute(input, dims): ...
+
+
+@_signature_of("permute")
+def _permute_method(input, *dims): ...
+
+
+@_signature_of(torch.select, "select")
+def _select(input, dim, index): ...
+
+
+@_signature_of(torch.narrow, "narrow")
+def _narrow(input, dim, start, length): ...
+
+
+@_signature_of(torch.squeeze, "squeeze", "squeeze_")
+def _squeeze(input, dim=None): ...
+
+
+@_signature_of(torch.unsqueeze, "unsqueeze", "unsqueeze_")
+def _unsqueeze(input, dim): ...
+
+
+@_signature_of(operator.getitem)
+def _getitem(input, index): ...
+
+
+@_signature_of("t", "t_", torch.t, "contiguous", "float", "double", "half", "bfloat16")
+def _no_args(input, memory_format=None): ...
+
+
+@_signature_of(torch.clone, "clone")
+def _clone(input, *, memory_format=None): ...
+
+
+def _stub_for(node: fx.Node) -> Callable | None:
+    target = node.target
+    if node.op == "call_method" or target in _SIGNATURES:
+        return _SIGNATURES.get(target)
+    name = getattr(target, "__name__", None)
+    if isinstance(name, str) and getattr(torch.Tensor, name, None) is target:  # torch.Tensor.add(x, y)
+        return _SIGNATURES.get(name)
+    if inspect.isfunction(target):  # a Python function: F.cross_entropy, F.log_softmax, a user's helper
+        return target
+    return None
+
+
+@dataclass(frozen=True)
+class Bound(Mapping[str, Any]):
+    """A call node's arguments by parameter name (in signature order), defaults filled in.
+
+    Var-positional parameters (``x.view(*size)``) hold a tuple; ``x.view((2, 3))`` and
+    ``x.view(2, 3)`` both give ``size=(2, 3)``.
+    """
+
+    node: fx.Node
+    arguments: Mapping[str, Any]
+    defaults: Mapping[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.arguments[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arguments)
+
+    def __len__(self) -> int:
+        return len(self.arguments)
+
+    @property
+    def inplace(self) -> bool:
+        return is_inplace(self.node)
+
+    def non_default(self, *understood: str) -> dict[str, Any]:
+        """The arguments outside ``understood`` whose value is not their default."""
+        return {k: v for k, v in self.arguments.items()
+                if k not in understood and not _is_default(v, self.defaults.get(k, inspect.Parameter.empty))}
+
+    def blocking(self, *understood: str) -> str | None:
+        """What keeps a pass that understands only ``understood`` from handling this call, or ``None``.
+
+        ``"in-place add_"`` for an in-place variant, else the first argument outside ``understood``
+        that is not at its default, as ``"name=value"`` (``"alpha=2.0"``, ``"rounding_mode='floor'"``).
+        """
+        if self.inplace:
+            return f"in-place {call_name(self.node)}"
+        for name, value in self.non_default(*understood).items():
+            shown = f"<traced {value.name}>" if isinstance(value, fx.Node) else repr(value)
+            return f"{name}={shown}"
+        return None
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if isinstance(value, fx.Node) or default is inspect.Parameter.empty:
+        return False
+    if value is None or default is None:
+        return value is default
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default) and type(value) in (type(default), int, float)
+    except Exception:
+        return False
+
+
+def bind(node: fx.Node) -> Bound | None:
+    """The arguments of a ``call_function`` / ``call_method`` node by parameter name.
+
+    Returns ``None`` when the signature of what the node calls is unknown or the node's arguments
+    do not fit it (a keyword the op does not have): treat that node as not understood.
+    """
+    stub = _stub_for(node) if isinstance(node, fx.Node) else None
+    if stub is None:
+        return None
+    sig = inspect.signature(stub)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    var = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_POSITIONAL), None)
+    if var is not None and var in kwargs:  # x.view(size=(2, 3))
+        args.append(kwargs.pop(var))
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    if var is not None:
+        packed = tuple(arguments.get(var, ()))
+        if len(packed) == 1 and isinstance(packed[0], (tuple, list, torch.Size)):
+            packed = tuple(packed[0])
+        arguments[var] = packed
+    defaults = {p.name: (() if p.kind is p.VAR_POSITIONAL else p.default) for p in sig.parameters.values()}
+    return Bound(node, arguments, defaults)
