@@ -14,9 +14,11 @@ cores and the rank gates are ``nn.Parameter`` s of the parametrization
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
@@ -212,13 +214,15 @@ class TTParametrization(nn.Module):
 
 
 class TTLayer(NamedTuple):
-    """One tensorized layer, as :func:`iter_tt_layers` yields it."""
+    """One tensorized layer, as :func:`iter_tt_layers` yields it. ``shared_with`` names the other
+    modules whose weight is the same TT (a tied embedding and LM head made with ``tied="share"``)."""
 
     fqn: str
     module: nn.Module
     spec: TTSpec
     cores: nn.ParameterList
     gates: nn.ParameterList
+    shared_with: tuple[str, ...] = ()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -234,11 +238,16 @@ def tt_parametrization(module: nn.Module) -> TTParametrization | None:
 
 
 def iter_tt_layers(model: nn.Module) -> Iterator[TTLayer]:
-    """Every tensorized layer of ``model`` (a compiled model is unwrapped)."""
+    """Every tensorized layer of ``model`` (a compiled model is unwrapped), each TT once: modules
+    sharing one TT come as one layer with ``shared_with``."""
+    found: dict[int, list[tuple[str, nn.Module]]] = {}
     for fqn, module in _unwrap(model).named_modules():
         p = tt_parametrization(module)
         if p is not None:
-            yield TTLayer(fqn, module, p.spec, p.cores, p.gates)
+            found.setdefault(id(p), []).append((fqn, module))
+    for (fqn, module), *others in found.values():
+        p = tt_parametrization(module)
+        yield TTLayer(fqn, module, p.spec, p.cores, p.gates, tuple(f for f, _ in others))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,28 +255,117 @@ def iter_tt_layers(model: nn.Module) -> Iterator[TTLayer]:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How a layer's ``weight`` relates to the TT matrix ``M`` [rows, cols]: ``M.T`` or ``M``."""
+
+    kind: str  # "Linear", "Embedding" or "Conv1D"
+    rows: int
+    cols: int
+    transpose: bool
+
+
 @dataclass
 class _Plan:
-    fqn: str
-    module: nn.Module
+    modules: list[tuple[str, nn.Module]]  # one layer, or every module of a tie that shares the TT
     kind: str
     spec: TTSpec
     config: TTConfig
+    std: float | None  # random init: std of the reconstructed weight
+    untie: bool = False
+
+    @property
+    def fqn(self) -> str:
+        return self.modules[0][0]
 
 
 class _Skip(Exception):
     """A layer that cannot be tensorized; the message is the reason the report prints."""
 
 
-def _config_for(config, fqn: str) -> TTConfig | None:
-    if isinstance(config, TTConfig):
-        return config
+def _hf_conv1d_class() -> type | None:
+    """transformers' ``Conv1D`` (GPT-2's projections). A model holding one has imported it, so
+    transformers is never imported here."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def _layout(module: nn.Module) -> _Layout | None:
+    if isinstance(module, nn.Linear):
+        return _Layout("Linear", module.in_features, module.out_features, True)
+    if isinstance(module, nn.Embedding):
+        return _Layout("Embedding", module.num_embeddings, module.embedding_dim, False)
+    conv1d = _hf_conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):  # y = x @ W + b, W [in, out] is M itself
+        return _Layout("Conv1D", module.nx, module.nf, False)
+    return None
+
+
+def _is_candidate(module: nn.Module) -> bool:
+    """A Linear-like leaf: a supported layer, or a leaf module holding a 2-D (or larger) weight.
+
+    Containers (an MLP block, a ModuleList) and 1-D weights (norms) are not candidates, so they
+    are neither tensorized nor reported."""
+    if _layout(module) is not None or parametrize.is_parametrized(module, "weight"):
+        return True
+    weight = module._parameters.get("weight")
+    leaf = all(name == "parametrizations" for name, _ in module.named_children())
+    return leaf and isinstance(weight, torch.Tensor) and weight.dim() >= 2
+
+
+def _config_key(config: Mapping, fqn: str) -> str | None:
     if fqn in config:
-        return config[fqn]
-    for key, value in config.items():
+        return fqn
+    for key in config:
         if key.startswith("re:") and re.fullmatch(key[3:], fqn):
-            return value
-    return config.get("_default")
+            return key
+    return "_default" if "_default" in config else None
+
+
+def _check_config_keys(config: Mapping, modules: dict[str, nn.Module], candidates: list[str]) -> None:
+    """Every key of a config dict must select a layer: a typo raises, naming the closest names."""
+    for key in config:
+        if not isinstance(key, str):
+            raise TypeError(f"tensorize_: config keys are module names (str), got {key!r}")
+        if key == "_default":
+            continue
+        if key.startswith("re:"):
+            try:
+                pattern = re.compile(key[3:])
+            except re.error as exc:
+                raise ValueError(f"tensorize_: config key {key!r} is not a valid regular expression: {exc}") from None
+            if not any(pattern.fullmatch(name) for name in candidates):
+                raise ValueError(f"tensorize_: config key {key!r} matches no layer (the pattern must match a "
+                                 f"whole name); layer names look like {candidates[:4]}")
+        elif key not in candidates:
+            raise ValueError(_unknown_key_message(key, modules, candidates))
+
+
+def _unknown_key_message(key: str, modules: dict[str, nn.Module], candidates: list[str]) -> str:
+    if key in modules:
+        inside = [c for c in candidates if c.startswith(key + ".") or not key][:4]
+        return (f"tensorize_: config key {key!r} names a {type(modules[key]).__name__}, not a Linear, "
+                f"Embedding or Conv1D layer; keys name layers (e.g. {inside}), or use "
+                f"{'re:' + re.escape(key) + '[.].*'!r} for every layer inside it")
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.0)
+    return f"tensorize_: config key {key!r} matches no layer of the model; closest layer names: {close}"
+
+
+def _selection(config, filter_fn, module: nn.Module, fqn: str) -> tuple[TTConfig | None, str]:
+    """The layer's config, or None and why it is not selected."""
+    if isinstance(config, TTConfig):
+        cfg = config
+    else:
+        key = _config_key(config, fqn)
+        if key is None:
+            return None, "no key of the config dict matches it, and there is no '_default'"
+        cfg = config[key]
+        if cfg is None:
+            return None, f"config[{key!r}] is None"
+        if not isinstance(cfg, TTConfig):
+            raise TypeError(f"tensorize_: config for '{fqn}' must be a TTConfig, got {type(cfg).__name__}")
+    if not filter_fn(module, fqn):
+        return None, "filter_fn returned False"
+    return cfg, ""
 
 
 def _layer_error(fqn: str, kind: str, shape, msg: str) -> ValueError:
@@ -292,34 +390,31 @@ def _auto_modes(fmt: str, rows: int, cols: int, cfg: TTConfig, error) -> tuple[t
     return tt.arrange_modes(fmt, row, col)
 
 
-def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, owners: dict) -> _Plan:
-    if isinstance(module, nn.Linear):
-        kind, rows, cols, transpose = "Linear", module.in_features, module.out_features, True
-    elif isinstance(module, nn.Embedding):
-        kind, rows, cols, transpose = "Embedding", module.num_embeddings, module.embedding_dim, False
+def _check_module(module: nn.Module) -> torch.Tensor:
+    """Reasons a supported layer cannot hold a TT weight; returns its current (dense) weight."""
+    if isinstance(module, nn.Embedding):
         if module.sparse:
             raise _Skip("sparse=True: sparse gradients cannot flow into TT cores")
         if module.max_norm is not None:
             raise _Skip("max_norm renormalizes the weight in place, which a TT weight cannot do")
-    else:
-        raise _Skip(f"unsupported module type {type(module).__name__} (nn.Linear and nn.Embedding only)")
-    if parametrize.is_parametrized(module, "weight"):
-        raise _Skip("weight is already parametrized (already tensorized?)")
-    weight = module.weight
+    if parametrize.is_parametrized(module, "weight") and tt_parametrization(module) is None:
+        names = [type(p).__name__ for p in module.parametrizations.weight]
+        raise _Skip(f"weight is already parametrized by {names}")
+    with torch.no_grad():
+        weight = module.weight  # a TT layer: its current weight (it is re-factored)
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise _Skip(f"weight dtype {getattr(weight, 'dtype', None)} is not floating point")
-    shared = [o for o in owners.get(id(weight), ()) if o != fqn]
-    if shared:
-        raise _Skip(f"weight is shared with {shared} (tied weights)")
-    if weight.numel() < cfg.min_size:
-        raise _Skip(f"{weight.numel()} weight elements < min_size={cfg.min_size}")
-    if cfg.init == "svd" and weight.device.type == "meta":
-        raise _Skip("init='svd' needs real weights (this one is on the meta device)")
+    return weight
+
+
+def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> TTSpec:
+    """Format, modes and ranks for one matrix; invalid ranks or modes raise, no gain skips."""
+    kind, rows, cols = layout.kind, layout.rows, layout.cols
 
     def error(msg: str) -> ValueError:
         return _layer_error(fqn, kind, weight.shape, msg)
 
-    fmt = cfg.fmt if cfg.fmt != "auto" else ("tt" if kind == "Linear" else "ttm")
+    fmt = cfg.fmt if cfg.fmt != "auto" else ("ttm" if kind == "Embedding" else "tt")
     if cfg.modes is not None:
         row_modes, col_modes = cfg.modes
         auto = _auto_modes(fmt, rows, cols, cfg, error)
@@ -327,7 +422,7 @@ def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, owners: dict) -> _Pl
             raise error(
                 f"modes {list(row_modes)} x {list(col_modes)} cover {math.prod(row_modes)} x "
                 f"{math.prod(col_modes)}, less than rows x cols = {rows} x {cols} (rows = "
-                f"{'in_features' if kind == 'Linear' else 'num_embeddings'}); valid modes multiply to "
+                f"{'num_embeddings' if kind == 'Embedding' else 'in_features'}); valid modes multiply to "
                 f"at least that, e.g. {[list(auto[0]), list(auto[1])]}"
             )
         if fmt == "ttm" and len(row_modes) != len(col_modes):
@@ -342,16 +437,145 @@ def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, owners: dict) -> _Pl
         raise error(f"{e}; valid: a positive int, or {n - 1} positive ints (one per internal bond "
                     f"of the {n} cores {fmt} {[list(row_modes), list(col_modes)]})") from None
     sizes = tt.core_sizes(fmt, row_modes, col_modes)
-    spec = TTSpec(fmt, row_modes, col_modes, tt.cap_ranks(sizes, ranks), rows, cols, transpose)
+    spec = TTSpec(fmt, row_modes, col_modes, tt.cap_ranks(sizes, ranks), rows, cols, layout.transpose)
     if spec.num_params >= spec.dense_params:
         raise _Skip(f"no compression: {fmt} {spec.describe()} at ranks {list(spec.ranks)} has "
                     f"{spec.num_params} parameters >= {spec.dense_params} dense")
-    return _Plan(fqn, module, kind, spec, cfg)
+    return spec
+
+
+def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, layout: _Layout | None = None) -> _Plan:
+    layout = layout or _layout(module)
+    if layout is None:
+        raise _Skip(f"unsupported module type {type(module).__name__} (nn.Linear, nn.Embedding and "
+                    "transformers' Conv1D are supported)")
+    weight = _check_module(module)
+    if weight.numel() < cfg.min_size:
+        raise _Skip(f"{weight.numel()} weight elements < min_size={cfg.min_size}")
+    if cfg.init == "svd" and weight.device.type == "meta":
+        raise _Skip("init='svd' needs real weights (this one is on the meta device)")
+    spec = _tt_spec(fqn, layout, weight, cfg)
+    std = cfg.init_std
+    if std is None:
+        std = 1.0 if layout.kind == "Embedding" else math.sqrt(1.0 / (spec.rows + spec.cols))
+    return _Plan([(fqn, module)], layout.kind, spec, cfg, std)
+
+
+def _plan_shared(group: list[tuple[str, nn.Module]], selected: dict[str, TTConfig]) -> _Plan:
+    """One TT for every module of a tie: M is the weight as stored ([V, D] for an embedding and its
+    tied head), so the embedding reads rows of M and the head computes ``linear(x, M)``."""
+    unselected = [f for f, _ in group if f not in selected]
+    if unselected:
+        raise _Skip(f"tied with {unselected}, which {'is' if len(unselected) == 1 else 'are'} not selected; "
+                    "tied='share' needs every module of the tie selected")
+    unsupported = [f"{f} ({type(m).__name__})" for f, m in group if _layout(m) is None]
+    if unsupported:
+        raise _Skip(f"tied with unsupported module(s) {unsupported}")
+    weights = [_check_module(m) for _, m in group]
+    lead = next((i for i, (_, m) in enumerate(group) if isinstance(m, nn.Embedding)), 0)
+    fqn, module = group[lead]
+    weight, cfg = weights[lead], selected[fqn]
+    kind = "Embedding" if isinstance(module, nn.Embedding) else _layout(module).kind
+    plan = _plan_layer(fqn, module, cfg, _Layout(kind, weight.shape[0], weight.shape[1], False))
+    if cfg.init_std is None:  # the model's own scale, chosen to suit both uses of the matrix
+        plan.std = float(weight.detach().float().std()) if weight.device.type != "meta" else plan.std
+    plan.modules = [group[lead]] + [g for i, g in enumerate(group) if i != lead]
+    return plan
+
+
+def _weight_key(module: nn.Module) -> int | None:
+    """What ties modules: the same weight Parameter, or the same TT parametrization."""
+    p = tt_parametrization(module)
+    if p is not None:
+        return id(p)
+    w = module._parameters.get("weight")
+    return id(w) if w is not None else None
+
+
+def _ties(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """Modules grouped by the weight they hold; a group of several is a tie."""
+    groups: dict[int, list[tuple[str, nn.Module]]] = {}
+    for fqn, module in model.named_modules():
+        key = _weight_key(module)
+        if key is not None:
+            groups.setdefault(key, []).append((fqn, module))
+    return groups
+
+
+def _tie_skip_reason(others: list[str]) -> str:
+    return (f"weight is shared with {others} (tied weights); tensorize_(..., tied='share') makes the tie "
+            "one TT with shared cores, tied='untie' gives each module its own TT")
+
+
+def _plan_all(model: nn.Module, selected: dict[str, TTConfig], modules: dict[str, nn.Module], tied: str,
+              skipped: dict[str, tuple[str, str]]) -> list[_Plan]:
+    """Plans for the selected layers; the ones that cannot be tensorized go to ``skipped``."""
+    ties = _ties(model)
+    plans: list[_Plan] = []
+    shared: dict[int, _Plan | _Skip] = {}
+    for fqn, cfg in selected.items():
+        module = modules[fqn]
+        group = ties.get(_weight_key(module), [(fqn, module)])
+        try:
+            if len(group) == 1 or tied == "untie":
+                plans.append(_plan_layer(fqn, module, cfg))
+                plans[-1].untie = len(group) > 1
+            elif tied == "skip":
+                raise _Skip(_tie_skip_reason([f for f, _ in group if f != fqn]))
+            else:
+                key = _weight_key(module)
+                if key not in shared:
+                    try:
+                        shared[key] = _plan_shared(group, selected)
+                        plans.append(shared[key])
+                    except _Skip as reason:
+                        shared[key] = reason
+                if isinstance(shared[key], _Skip):
+                    raise shared[key]
+        except _Skip as reason:
+            skipped[fqn] = (type(module).__name__, str(reason))
+            log.info("tensorize_: skipped %s: %s", fqn, reason)
+    return plans
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying plans
+# ----------------------------------------------------------------------------------------------
+
+
+def _set_dense(module: nn.Module, weight: nn.Parameter) -> None:
+    """Make ``module.weight`` the plain Parameter ``weight`` (removing a TT parametrization)."""
+    if parametrize.is_parametrized(module, "weight"):
+        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+        delattr(module, "weight")
+    module.weight = weight
+
+
+def _prepare(plan: _Plan) -> None:
+    """Give the plan's modules dense weights to factor: a TT layer that is re-factored gets its
+    current weight back, and an untied module its own copy of the tied weight."""
+    modules = [m for _, m in plan.modules]
+    refactor = any(tt_parametrization(m) is not None for m in modules)
+    if not (refactor or plan.untie):
+        return
+    with torch.no_grad():
+        current = modules[0].weight.detach().clone()
+    requires_grad = _requires_grad(modules[0])
+    shared = nn.Parameter(current, requires_grad=requires_grad)
+    for module in modules:
+        _set_dense(module, nn.Parameter(current.clone(), requires_grad=requires_grad) if plan.untie else shared)
+    if refactor:
+        log.info("tensorize_: re-factoring %s (already tensorized) from its current weight", plan.fqn)
+
+
+def _requires_grad(module: nn.Module) -> bool:
+    p = tt_parametrization(module)
+    return p.cores[0].requires_grad if p is not None else module.weight.requires_grad
 
 
 def _apply(plan: _Plan) -> None:
-    module, spec, cfg = plan.module, plan.spec, plan.config
-    weight = module.weight
+    spec, cfg = plan.spec, plan.config
+    weight = plan.modules[0][1].weight
     dtype, device = weight.dtype, weight.device
     error = None
     if cfg.init == "svd":
@@ -362,14 +586,17 @@ def _apply(plan: _Plan) -> None:
         log.info("tensorize_: %s %s TT-SVD ranks %s, relative error %.3g", plan.fqn,
                  spec.describe(), list(spec.ranks), error)
     else:
-        std = cfg.init_std
-        if std is None:
-            std = math.sqrt(1.0 / (spec.rows + spec.cols)) if plan.kind == "Linear" else 1.0
-        cores = tt.random_cores(spec, std, dtype=dtype, device=device)
+        cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device)
     gates = [torch.ones(r, dtype=dtype, device=device) for r in spec.gate_sizes]
     param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error)
     param.cores.requires_grad_(weight.requires_grad)
     param.gates.requires_grad_(weight.requires_grad)
+    for _, module in plan.modules:
+        _register(module, param)
+    param.refit_on_assign = True
+
+
+def _register(module: nn.Module, param: TTParametrization) -> None:
     parametrize.register_parametrization(module, "weight", param, unsafe=True)
     # The dense weight was set_() to the zero-size result of right_inverse; keep that placeholder
     # as a non-persistent buffer, so it is neither a parameter (DDP and optimizers would see an
@@ -378,70 +605,73 @@ def _apply(plan: _Plan) -> None:
     placeholder = plist.original.detach()
     del plist.original
     plist.register_buffer("original", placeholder, persistent=False)
-    param.refit_on_assign = True
+
+
+_TIED = ("skip", "share", "untie")
 
 
 def tensorize_(
     model: nn.Module,
     config: TTConfig | Mapping[str, TTConfig | None] | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    tied: str = "skip",
 ) -> nn.Module:
-    """Tensorize ``model``'s Linear and Embedding weights in place; returns ``model``.
+    """Tensorize ``model``'s Linear, Embedding and transformers ``Conv1D`` weights in place; returns ``model``.
 
     ``config`` is one :class:`TTConfig` for every selected layer, or a dict from module name to
-    config (exact names, ``"re:<regex>"`` keys, ``"_default"``; a None value skips the module).
-    ``filter_fn(module, fqn)`` selects layers (default: every nn.Linear and nn.Embedding).
-    Invalid ranks or modes raise ValueError before any layer changes; layers that cannot be
-    tensorized are skipped, and :func:`compression_report` lists them with the reason.
+    config (exact names, ``"re:<regex>"`` keys, ``"_default"``; a None value skips the module). A key
+    that selects no layer raises ValueError naming the closest layer names.
+    ``filter_fn(module, fqn)`` selects layers (default: all of them).
+    ``tied`` says what happens to modules sharing one weight (an embedding tied to the LM head):
+    ``"skip"`` leaves them dense, ``"share"`` makes them one TT with shared cores (the embedding
+    reads rows of the [V, D] matrix, the head contracts with it), ``"untie"`` gives each its own TT.
+    A layer that is already tensorized is re-factored by the new config: from its current weight
+    with ``init="svd"`` (TT-SVD to the new ranks), from scratch with ``init="random"``.
+    Invalid ranks or modes raise ValueError before any layer changes; every Linear-like layer that
+    is not tensorized is listed by :func:`compression_report` with the reason.
     """
     model = _unwrap(model)
     config = TTConfig() if config is None else config
     if not isinstance(config, (TTConfig, Mapping)):
         raise TypeError(f"config must be a TTConfig or a dict of them, got {type(config).__name__}")
+    if tied not in _TIED:
+        raise ValueError(f"tensorize_: tied must be one of {list(_TIED)}, got {tied!r}")
+    modules = dict(model.named_modules())
+    candidates = [fqn for fqn, m in modules.items() if _is_candidate(m)]
+    if isinstance(config, Mapping):
+        _check_config_keys(config, modules, candidates)
     if filter_fn is None:
-        def filter_fn(module, fqn):
-            return isinstance(module, (nn.Linear, nn.Embedding))
+        def filter_fn(module: nn.Module, fqn: str) -> bool:
+            return True
 
-    owners: dict[int, list[str]] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        w = module._parameters.get("weight")
-        if w is not None:
-            owners.setdefault(id(w), [])
-            if fqn not in owners[id(w)]:
-                owners[id(w)].append(fqn)
-
-    plans: list[_Plan] = []
-    skipped: dict[str, tuple[str, str]] = getattr(model, _SKIP_ATTR, {})
-    for fqn, module in model.named_modules():
-        if tt_parametrization(module) is not None:
-            continue
-        cfg = _config_for(config, fqn)
-        if cfg is None or not filter_fn(module, fqn):
-            continue
-        if not isinstance(cfg, TTConfig):
-            raise TypeError(f"tensorize_: config for '{fqn}' must be a TTConfig, got {type(cfg).__name__}")
-        try:
-            plans.append(_plan_layer(fqn, module, cfg, owners))
-        except _Skip as reason:
-            skipped[fqn] = (type(module).__name__, str(reason))
-            log.info("tensorize_: skipped %s: %s", fqn, reason)
+    selected: dict[str, TTConfig] = {}
+    skipped: dict[str, tuple[str, str]] = {}
+    for fqn in candidates:
+        cfg, why = _selection(config, filter_fn, modules[fqn], fqn)
+        if cfg is not None:
+            selected[fqn] = cfg
+        elif tt_parametrization(modules[fqn]) is None:
+            skipped[fqn] = (type(modules[fqn]).__name__, f"not selected: {why}")
+    plans = _plan_all(model, selected, modules, tied, skipped)
+    for plan in plans:
+        _prepare(plan)
     for plan in plans:
         _apply(plan)
-        skipped.pop(plan.fqn, None)
     model.__dict__[_SKIP_ATTR] = skipped
     return model
 
 
 def densify_(model: nn.Module) -> nn.Module:
-    """Turn every tensorized layer back into a plain dense ``weight`` Parameter (in place)."""
-    for layer in list(iter_tt_layers(model)):
-        module = layer.module
+    """Turn every tensorized layer back into a plain dense ``weight`` Parameter (in place); modules
+    sharing one TT get one shared Parameter again."""
+    root = _unwrap(model)
+    for layer in list(iter_tt_layers(root)):
         with torch.no_grad():
-            weight = module.weight.detach().clone()
-        requires_grad = layer.cores[0].requires_grad
-        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
-        delattr(module, "weight")
-        module.weight = nn.Parameter(weight, requires_grad=requires_grad)
+            weight = layer.module.weight.detach().clone()
+        dense = nn.Parameter(weight, requires_grad=layer.cores[0].requires_grad)
+        for module in [layer.module] + [root.get_submodule(f) for f in layer.shared_with]:
+            _set_dense(module, dense)
     return model
 
 
@@ -463,6 +693,8 @@ class LayerReport:
     tt_params: int  # cores + gates
     init: str
     init_error: float | None
+    matrix_shape: tuple[int, int] = (0, 0)  # the TT matrix [rows, cols] (Linear: [in, out])
+    shared_with: tuple[str, ...] = ()  # other modules whose weight is this TT (tied="share")
 
     @property
     def ratio(self) -> float:
@@ -495,8 +727,9 @@ class CompressionReport:
         rows = []
         for lay in self.layers:
             note = [] if lay.init_error is None else [f"svd err {lay.init_error:.3g}"]
-            w = lay.weight_shape
-            logical = (w[1], w[0]) if lay.kind == "Linear" else w
+            if lay.shared_with:
+                note.append(f"shared with {', '.join(lay.shared_with)}")
+            w, logical = lay.weight_shape, lay.matrix_shape
             if tuple(lay.padded_shape) != tuple(logical):
                 note.append(f"padded {logical[0]}x{logical[1]}->{lay.padded_shape[0]}x{lay.padded_shape[1]}")
             rows.append((lay.fqn, lay.kind, "x".join(map(str, w)), lay.fmt, lay.factorization,
@@ -533,7 +766,8 @@ def compression_report(model: nn.Module) -> CompressionReport:
             factorization=spec.describe(), padded_shape=(spec.padded_rows, spec.padded_cols),
             ranks=spec.ranks, dense_params=spec.dense_params,
             tt_params=sum(t.numel() for t in list(layer.cores) + list(layer.gates)),
-            init=p.init, init_error=p.init_error,
+            init=p.init, init_error=p.init_error, matrix_shape=(spec.rows, spec.cols),
+            shared_with=layer.shared_with,
         ))
     params = {id(t): t.numel() for t in model.parameters()}
     other = sum(n for i, n in params.items() if i not in tt_param_ids)

@@ -266,6 +266,14 @@ def _maybe_fc2(m):
     return {layer.fqn for layer in iter_tt_layers(m) if layer.fqn == "fc2"}
 
 
+class Bilinearish(nn.Module):
+    """A leaf holding a 2-D weight that tensorize_ does not support."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(300, 300))
+
+
 def test_skipped_layers_carry_reasons():
     torch.manual_seed(0)
     model = nn.ModuleDict(dict(
@@ -275,6 +283,8 @@ def test_skipped_layers_carry_reasons():
         norm=nn.LayerNorm(64),
         wide=nn.Linear(256, 256),
         no_gain=nn.Linear(12, 12),
+        odd=Bilinearish(),
+        mlp=nn.Sequential(nn.Linear(300, 300), nn.GELU()),
     ))
     tied_a, tied_b = nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False)
     tied_b.weight = tied_a.weight
@@ -284,10 +294,11 @@ def test_skipped_layers_carry_reasons():
     reasons = {s.fqn: s.reason for s in report.skipped}
     assert "min_size" in reasons["small"]
     assert "sparse" in reasons["sparse"] and "max_norm" in reasons["renorm"]
-    assert "unsupported module type LayerNorm" in reasons["norm"]
+    assert "unsupported module type Bilinearish" in reasons["odd"]
+    assert "norm" not in reasons and "mlp" not in reasons  # 1-D weights and containers are no candidates
     assert "shared" in reasons["tied_a"] and "shared" in reasons["tied_b"]
     assert "no compression" in reasons["no_gain"]
-    assert [lay.fqn for lay in report.layers] == ["wide"]
+    assert [lay.fqn for lay in report.layers] == ["wide", "mlp.0"]
     text = str(report)
     assert "skipped:" in text and "tied_a" in text and "min_size" in text
     # The tie survives.
@@ -314,6 +325,142 @@ def test_invalid_rank_or_shape_raises_naming_the_layer():
                           (dict(max_pad=-1), "max_pad"), (dict(n_cores=0), "n_cores")]:
         with pytest.raises(ValueError, match=match):
             TTConfig(**kwargs)
+
+
+def test_config_keys_that_select_no_layer_raise_with_the_closest_names():
+    torch.manual_seed(0)
+    m = nn.ModuleDict(dict(lm_head=nn.Linear(64, 300), blocks=nn.ModuleList([nn.Linear(64, 64)])))
+    before = copy.deepcopy(m.state_dict())
+    for config, match in [
+        ({"lm_haed": TTConfig(rank=4)}, r"'lm_haed' matches no layer.*closest layer names: \['lm_head'"),
+        ({"re:head": TTConfig(rank=4)}, r"'re:head' matches no layer \(the pattern must match a whole name\)"),
+        ({"blocks": TTConfig(rank=4)}, r"'blocks' names a ModuleList.*\['blocks.0'\].*re:blocks\[\.\]\.\*"),
+        ({"re:(": TTConfig(rank=4)}, r"not a valid regular expression"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tensorize_(m, {**config, "_default": TTConfig(rank=4, min_size=0)})
+        assert list(iter_tt_layers(m)) == []
+        assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def test_unselected_layers_are_listed_and_containers_are_not():
+    torch.manual_seed(0)
+    m = nn.ModuleDict(dict(attn=nn.Linear(64, 64), mlp=nn.Sequential(nn.Linear(64, 256), nn.GELU(),
+                                                                       nn.Linear(256, 64))))
+    tensorize_(m, TTConfig(rank=4, min_size=0), filter_fn=lambda module, fqn: "mlp" in fqn)
+    assert [layer.fqn for layer in iter_tt_layers(m)] == ["mlp.0", "mlp.2"]
+    assert {(s.fqn, s.reason) for s in compression_report(m).skipped} == {
+        ("attn", "not selected: filter_fn returned False")}
+    # A second call that selects other layers leaves the first call's TT layers alone and unlisted.
+    tensorize_(m, {"attn": TTConfig(rank=4, min_size=0)})
+    assert [layer.fqn for layer in iter_tt_layers(m)] == ["attn", "mlp.0", "mlp.2"]
+    assert compression_report(m).skipped == ()
+
+
+def test_tensorizing_again_refactors_the_layer():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 96)
+    tensorize_(lin, TTConfig(rank=12, modes=((6, 4, 4), (4, 4, 6)), min_size=0))
+    (first,) = list(iter_tt_layers(lin))
+    w = lin.weight.detach().double().clone()
+    # init="svd": TT-SVD of the current weight to the new rank (capped ranks: exact).
+    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    (second,) = list(iter_tt_layers(lin))
+    assert second.cores[0] is not first.cores[0]
+    assert max(second.spec.ranks) > 12
+    torch.testing.assert_close(reference_weight(second.cores, second.gates, second.spec), w, rtol=1e-4, atol=1e-5)
+    # A smaller rank: an approximation, with its error in the report.
+    tensorize_(lin, TTConfig(rank=3, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    (third,) = list(iter_tt_layers(lin))
+    assert max(third.spec.ranks) == 3
+    (row,) = compression_report(lin).layers
+    err = (reference_weight(third.cores, third.gates, third.spec) - w).norm() / w.norm()
+    assert row.init_error == pytest.approx(err.item(), rel=1e-3)
+    # init="random" with another layout: new random cores of that layout.
+    tensorize_(lin, TTConfig(rank=5, fmt="ttm", min_size=0))
+    (fourth,) = list(iter_tt_layers(lin))
+    assert fourth.spec.fmt == "ttm" and max(fourth.spec.ranks) == 5
+    assert list(lin.parametrizations.weight) == [tt_param(lin)]  # one parametrization, not stacked
+
+
+def tt_param(module):
+    (p,) = [p for p in module.parametrizations.weight if isinstance(p, TTParametrization)]
+    return p
+
+
+def _tied_pair(vocab=300, d=32):
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(emb=nn.Embedding(vocab, d), head=nn.Linear(d, vocab, bias=False)))
+    model["head"].weight = model["emb"].weight
+    return model
+
+
+def test_tied_pair_is_skipped_by_default_naming_the_option():
+    model = _tied_pair()
+    tensorize_(model, TTConfig(rank=4, min_size=0))
+    reasons = {s.fqn: s.reason for s in compression_report(model).skipped}
+    assert set(reasons) == {"emb", "head"}
+    assert "tied='share'" in reasons["emb"] and "tied='untie'" in reasons["head"] and "['head']" in reasons["emb"]
+    assert model["emb"].weight is model["head"].weight
+    with pytest.raises(ValueError, match=r"tied must be one of \['skip', 'share', 'untie'\]"):
+        tensorize_(model, TTConfig(rank=4, min_size=0), tied="yes")
+
+
+def test_tied_share_makes_one_tt_read_by_rows_and_contracted_by_columns():
+    model = _tied_pair()
+    tensorize_(model, TTConfig(rank=6, min_size=0), tied="share")
+    emb, head = model["emb"], model["head"]
+    assert tt_param(emb) is tt_param(head)
+    (layer,) = list(iter_tt_layers(model))
+    assert layer.fqn == "emb" and layer.shared_with == ("head",)
+    assert layer.spec.fmt == "ttm" and not layer.spec.transpose and layer.spec.weight_shape == (300, 32)
+    m = reference_weight(layer.cores, layer.gates, layer.spec)  # [V, D], float64
+    idx = torch.randint(0, 300, (3, 5))
+    x = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(emb(idx).double(), m[idx], rtol=1e-5, atol=1e-6)
+    out = head(x.float())
+    torch.testing.assert_close(out.double(), x @ m.t(), rtol=1e-4, atol=1e-5)
+    # Both uses train the same cores.
+    (emb(idx).sum() + out.square().sum()).backward()
+    assert all(c.grad is not None for c in layer.cores)
+    assert len(list(model.parameters())) == len(layer.cores) + len(layer.gates)
+    report = compression_report(model)
+    assert report.dense_params == 300 * 32 and report.params == layer.spec.num_params
+    assert "shared with head" in str(report)
+    # A checkpoint loads into a fresh shared pair; densify_ restores the tie.
+    other = _tied_pair()
+    tensorize_(other, TTConfig(rank=6, min_size=0), tied="share")
+    other.load_state_dict(model.state_dict())
+    torch.testing.assert_close(other["head"](x.float()), out)
+    densify_(other)
+    assert other["emb"].weight is other["head"].weight
+    assert isinstance(other["emb"].weight, nn.Parameter)
+    torch.testing.assert_close(other["emb"].weight.double(), m, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_share_refactors_and_untie_gives_each_its_own_tt():
+    model = _tied_pair()
+    tensorize_(model, TTConfig(rank=6, min_size=0), tied="share")
+    w = model["emb"].weight.detach().clone()
+    tensorize_(model, TTConfig(rank=32, init="svd", min_size=0), tied="share")  # again: re-factored
+    (layer,) = list(iter_tt_layers(model))
+    assert layer.shared_with == ("head",) and max(layer.spec.ranks) > 6
+    torch.testing.assert_close(model["head"].weight, w, rtol=1e-4, atol=1e-5)
+    tensorize_(model, TTConfig(rank=4, init="svd", min_size=0), tied="untie")
+    layers = {layer.fqn: layer for layer in iter_tt_layers(model)}
+    assert set(layers) == {"emb", "head"} and layers["emb"].shared_with == ()
+    assert layers["emb"].spec.fmt == "ttm" and layers["head"].spec.fmt == "tt" and layers["head"].spec.transpose
+    assert tt_param(model["emb"]) is not tt_param(model["head"])
+    # A dense tie untied: two TT layers, the head in the Linear layout.
+    model = _tied_pair()
+    tensorize_(model, TTConfig(rank=4, min_size=0), tied="untie")
+    assert {layer.fqn for layer in iter_tt_layers(model)} == {"emb", "head"}
+    # share needs both ends of the tie selected.
+    model = _tied_pair()
+    tensorize_(model, {"emb": TTConfig(rank=4, min_size=0)}, tied="share")
+    assert list(iter_tt_layers(model)) == []
+    reasons = {s.fqn: s.reason for s in compression_report(model).skipped}
+    assert "tied with ['head'], which is not selected" in reasons["emb"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -508,7 +655,9 @@ def test_comera_six_encoder_parameter_counts():
     assert round(report.params / 1e6, 2) == 1.49
     assert round(report.ratio, 1) == 44.9
     assert report.params == sum(p.numel() for p in model.parameters())
-    assert report.skipped == ()
+    # Every Linear-like layer left dense is listed: the dict selects none of these three.
+    assert {s.fqn: s.reason for s in report.skipped} == dict.fromkeys(
+        ["pos", "token_type", "cls"], "not selected: no key of the config dict matches it, and there is no '_default'")
 
 
 def _modes(lay):
