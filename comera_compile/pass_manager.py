@@ -3,12 +3,14 @@
 A pass is ``fn(gm, ctx) -> int`` (the number of rewrites it made). Built-in passes run in their
 declared order; user passes are placed with ``before=``/``after=``. The manager runs each enabled
 pass on the root graph and on every nested higher-order-op subgraph. A pass that raises is rolled
-back (every graph as it was before that pass) and logged, or re-raised under ``strict=True``.
+back (every graph as it was before that pass), logged and warned about (``warnings.warn``, so test
+suites and notebooks see it), or re-raised under ``strict=True``.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -202,8 +204,10 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> int:
             del ctx.report.rewrites[n_rewrites_before:]
             if ctx.options.strict:
                 raise
-            logger.warning("pass %r raised %s: %s; the graph is left as it was before this pass",
-                           entry.name, type(exc).__name__, exc)
+            message = (f"comera: pass {entry.name!r} raised {type(exc).__name__}: {exc}; the graph is left "
+                       "as it was before this pass (options={'strict': True} re-raises)")
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
             ctx.report.skipped.append(SkipRecord(entry.name, f"pass raised {type(exc).__name__}: {exc}; "
                                                  "rolled back", None, ctx.report.index))
             ctx.report.passes_run.append((entry.name, 0))

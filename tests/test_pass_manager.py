@@ -101,11 +101,13 @@ def test_failing_pass_rolls_back_and_warns(pass_cleanup, caplog):
     _register(pass_cleanup, "broken", _half_done_then_raise)
     x = torch.randn(7)
     with caplog.at_level(logging.WARNING, logger="comera_compile"):
-        out = torch.compile(_relu_model, backend="comera", options={"inner": "aot_eager"})(x)
+        with pytest.warns(RuntimeWarning, match=r"pass 'broken' raised RuntimeError: boom; the graph is left"):
+            out = torch.compile(_relu_model, backend="comera", options={"inner": "aot_eager"})(x)
     torch.testing.assert_close(out, F.relu(x) * 2)
     assert any("broken" in r.getMessage() for r in caplog.records)
     torch._dynamo.reset()
-    report = cc.explain(_relu_model, torch.randn(7), options={"inner": "eager"})
+    with pytest.warns(RuntimeWarning, match="pass 'broken'"):
+        report = cc.explain(_relu_model, torch.randn(7), options={"inner": "eager"})
     assert any(s.kind == "broken" and "boom" in s.reason for s in report.skipped)
     assert "sigmoid" not in report.graphs[0].code
 
