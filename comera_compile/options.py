@@ -37,6 +37,8 @@ class CompileOptions:
         cce_filter_eps: the filtering threshold; ``None`` picks the kernel default (2**-12).
         cce_deterministic: a backward whose result does not depend on atomics order.
         cce_min_vocab: fuse the LM head only when the vocabulary has at least this many entries.
+            ``None`` (default): the fused op's cost rule decides (small vocabularies, e.g. a
+            3-class classifier head, are left alone); ``0`` fuses every head.
         inductor_config: extra Inductor config patches, passed through unchanged.
     """
 
@@ -48,7 +50,7 @@ class CompileOptions:
     cce_backward: str = "filtered"
     cce_filter_eps: float | None = None
     cce_deterministic: bool = False
-    cce_min_vocab: int = 0
+    cce_min_vocab: int | None = None
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,9 +62,10 @@ class CompileOptions:
             _check_type("cce_filter_eps", self.cce_filter_eps, (int, float), "a float or None")
             if not 0.0 <= float(self.cce_filter_eps) < 1.0:
                 raise OptionsError(f"option 'cce_filter_eps' must be in [0, 1); got {self.cce_filter_eps!r}")
-        _check_type("cce_min_vocab", self.cce_min_vocab, int, "an int")
-        if self.cce_min_vocab < 0:
-            raise OptionsError(f"option 'cce_min_vocab' must be >= 0; got {self.cce_min_vocab}")
+        if self.cce_min_vocab is not None:
+            _check_type("cce_min_vocab", self.cce_min_vocab, int, "an int or None")
+            if self.cce_min_vocab < 0:
+                raise OptionsError(f"option 'cce_min_vocab' must be >= 0; got {self.cce_min_vocab}")
         _check_type("passes", self.passes, Mapping, "a dict of pass name -> bool")
         for key, value in self.passes.items():
             if not isinstance(key, str) or not isinstance(value, bool):

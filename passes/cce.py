@@ -2,41 +2,45 @@
 
 The pattern, matched on the Dynamo (torch-level) graph from the loss back to the projection:
 
-    loss   = cross_entropy(chain(proj), target, ...)        | nll_loss(log_softmax(chain(proj)), ...)
-    chain  = any mix of view/reshape/flatten, row slicing (``logits[..., :-1, :]``), a ``.float()``
-             upcast and soft-capping ``tanh(z / c) * c``
-    proj   = linear(h, W[, b]) | h @ W.T [+ b] | matmul(h, W.t())
-    and torch's own ``F.linear_cross_entropy(h, W, target, ...)``.
+    loss  = cross_entropy(path(proj), target, ...)  |  nll_loss(path(log_softmax(...)), target, ...)
+            | torch's own F.linear_cross_entropy(h, W, target, ...)
+    proj  = linear(h, W[, b]) | h @ W.T | matmul(h, W.t()) | mm | addmm(b, h, W.t())
+    path  = any mix of
+            row ops:   view/reshape/flatten/unflatten, getitem with ints/slices/index tensors, select,
+                       narrow, transpose/permute, (un)squeeze, contiguous: none may touch the
+                       vocabulary dimension (the last one);
+            value ops: a bias add (+ b, b of shape [V]), scaling by a Python number (temperature),
+                       soft-capping c * tanh(z / c), an fp32 upcast, log_softmax over the last dim.
 
-The fused op takes the hidden states with the same row slicing applied (slicing rows of the
-logits is slicing rows of ``h``), flattened to [N, D], so the logits never exist. Every candidate
-that is left alone gets its reason in ``explain``; nothing is rewritten unless it is exact.
+The fused op gets the rows of ``h`` that reach the loss: the row ops of the path are applied to
+``h`` itself (``[..., D]`` in place of ``[..., V]``). Since none of them touches the last dimension,
+they commute with the projection, so row ``r`` of the result is the hidden state whose logits the
+loss pairs with target ``r``, in the same order. Scalings are folded into ``h`` and the bias.
+
+Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
+fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
+and ``explain`` shows the argument or node that blocked it. So does the cost rule
+(``kernels.linear_cross_entropy.fused_loss_pays``) for heads whose fused loss cannot pay, unless the
+``cce_min_vocab`` option sets the threshold instead.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from comera_compile.fx_utils import RewriteRejected, checked_replace, fake, module_name, _same_size
+from comera_compile import matching as M
+from comera_compile.fx_utils import RewriteRejected, checked_replace, fake, fake_node, module_name
 from comera_compile.pass_manager import REGISTRY, PassContext
 
 KIND = "cce"
-
-_CROSS_ENTROPY = {F.cross_entropy, torch.nn.functional.cross_entropy}
-_NLL = {F.nll_loss}
-_LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.nn.functional.log_softmax}
-_LINEAR = {torch._C._nn.linear, F.linear}
-_MATMUL = {operator.matmul, torch.matmul, torch.mm}
-_RESHAPE_METHODS = {"view", "reshape", "flatten", "contiguous"}
-_RESHAPE_FUNCS = {torch.reshape, torch.flatten}
-_TANH = {torch.tanh, F.tanh}
-_LINEAR_CE = {getattr(F, "linear_cross_entropy", None)} - {None}
+_HIDDEN = object()  # placeholder in a re-applied reshape: the hidden size D replaces the vocabulary size V
+_UPCAST_FROM = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _Skip(Exception):
@@ -44,296 +48,612 @@ class _Skip(Exception):
 
 
 @dataclass
-class _Match:
+class _Projection:
+    """``h @ W.T + bias``: the weight as the op wants it ([V, D]) or transposed ([D, V])."""
+
+    node: fx.Node
+    h: Any
+    weight: Any
+    transposed: bool = False
+    bias: Any = None
+    erase: list[fx.Node] = field(default_factory=list)
+
+    def vocab(self) -> Any:
+        return fake(self.weight).shape[1 if self.transposed else 0]
+
+
+@dataclass
+class _Values:
+    """The value ops of the path in normal form: ``softcap(k * (h @ W.T + bias))``, then upcast."""
+
+    bias: Any = None
+    scale: float = 1.0
+    softcap: float = 0.0
+    upcast: bool = False
+    log_softmax: bool = False
+
+
+@dataclass
+class _Head:
     loss: fx.Node
     pattern: str
     target: fx.Node
-    h: fx.Node
-    weight: fx.Node
-    weight_transposed: bool = False  # the graph holds W as [D, V]
-    bias: Any = None
-    proj: fx.Node | None = None
-    softcap: float = 0.0
-    upcast: bool = False
-    row_index: list[Any] = field(default_factory=list)  # getitem indices to re-apply on h, in order
+    proj: _Projection
+    logits: Any  # the loss input ([N, V]; the loss node itself for F.linear_cross_entropy)
+    rows: list[tuple[str, tuple]]  # row ops to re-apply on h, innermost first: (method or "getitem", args)
+    values: _Values
     reduction: str = "mean"
     ignore_index: int = -100
     label_smoothing: float = 0.0
     chain: list[fx.Node] = field(default_factory=list)  # pattern nodes to erase once unused
 
 
-def _is_method(node: Any, names: set[str] | str) -> bool:
-    names = {names} if isinstance(names, str) else names
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in names
+# ---------------------------------------------------------------------------------------------
+# The projection
+# ---------------------------------------------------------------------------------------------
+
+def _bound(node: fx.Node) -> M.Bound:
+    call = M.bind(node)
+    if call is None:
+        raise _Skip(f"{M.describe(node)}: its arguments do not fit the known signature")
+    return call
 
 
-def _is_call(node: Any, targets: set[Any]) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+def _require(call: M.Bound, *understood: str) -> None:
+    problem = call.blocking(*understood)
+    if problem is not None:
+        raise _Skip(f"{M.describe(call.node)}: {problem} is not supported by the fused op")
 
 
-def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
+def _strip_transpose(w: Any) -> fx.Node | None:
+    """``W.t()`` / ``W.T`` / ``W.mT`` / ``W.transpose(0, 1)`` / ``W.permute(1, 0)`` of a 2-D W -> W."""
+    if not isinstance(w, fx.Node) or getattr(fake(w), "ndim", 0) != 2:
+        return None
+    if w.op == "call_function" and w.target is getattr and w.args[1] in ("T", "mT"):
+        return w.args[0]
+    call = M.bind(w) if M.is_call(w, M.TRANSPOSE | M.PERMUTE | {"t", torch.t}) else None
+    if call is None or call.inplace:
+        return None
+    if "dims" in call:
+        dims = [d % 2 for d in call["dims"] if isinstance(d, int)]
+        return call["input"] if dims == [1, 0] else None
+    if "dim0" in call or "axis0" in call:
+        d0, d1 = list(call.values())[1:3]
+        ok = isinstance(d0, int) and isinstance(d1, int) and {d0 % 2, d1 % 2} == {0, 1}
+        return call["input"] if ok else None
+    return call["input"]
 
 
-def _describe(node: Any) -> str:
-    if not isinstance(node, fx.Node):
-        return repr(node)
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"{node.op} {target} ({node.name})"
+def _matrix_weight(w: Any, proj: fx.Node) -> tuple[Any, bool, list[fx.Node]]:
+    """The ``[D, V]`` right operand of a matmul as (weight, transposed, nodes to erase)."""
+    fw = fake(w)
+    if not isinstance(fw, torch.Tensor) or fw.dim() != 2:
+        raise _Skip(f"{M.describe(proj)}: the projection's weight is not a 2-D matrix")
+    base = _strip_transpose(w)
+    if base is None:
+        return w, True, []
+    return base, False, [w] if len(w.users) == 1 else []
 
+
+def _projection(node: fx.Node) -> _Projection | None:
+    """``node`` as a projection ``h @ W.T (+ b)``, or ``None`` if it is none."""
+    if M.is_call(node, M.LINEAR):
+        call = _bound(node)
+        _require(call, "input", "weight", "bias")
+        if getattr(fake(call["weight"]), "ndim", 0) != 2:
+            raise _Skip(f"{M.describe(node)}: the projection's weight is not a 2-D matrix")
+        return _Projection(node, call["input"], call["weight"], bias=call["bias"])
+    if M.is_call(node, M.MATMUL):
+        call = _bound(node)
+        h, w = list(call.values())[:2]
+        _require(call, "input", "other", "mat2")
+        weight, transposed, erase = _matrix_weight(w, node)
+        return _Projection(node, h, weight, transposed, erase=erase)
+    if M.is_call(node, M.ADDMM):
+        call = _bound(node)
+        _require(call, "input", "mat1", "mat2")
+        weight, transposed, erase = _matrix_weight(call["mat2"], node)
+        return _Projection(node, call["mat1"], weight, transposed, bias=_vector_bias(call["input"], node), erase=erase)
+    return None
+
+
+def _vector_bias(bias: Any, node: fx.Node) -> fx.Node:
+    fb, fo = fake(bias), fake(node)
+    if not (isinstance(bias, fx.Node) and isinstance(fb, torch.Tensor)):
+        raise _Skip(f"{M.describe(node)}: adds a constant ({bias!r}) to the logits, not a bias vector")
+    if fb.dim() != 1 or not M.same_size(fb.shape[0], fo.shape[-1]):
+        raise _Skip(f"{M.describe(node)}: the added tensor has shape {tuple(fb.shape)}, not a [V] bias")
+    if fb.dtype != fo.dtype:
+        raise _Skip(f"{M.describe(node)}: the bias ({fb.dtype}) changes the logits' dtype to {fo.dtype}")
+    return bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Row ops: the same op on h selects the same rows, since none touches the last dimension
+# ---------------------------------------------------------------------------------------------
+
+def _dim(value: Any, ndim: int, node: fx.Node) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Skip(f"{M.describe(node)}: dimension {value!r} is not a constant")
+    return value % ndim if ndim else 0
+
+
+def _vocab_untouched(node: fx.Node, *dims: int) -> None:
+    last = fake(node.args[0] if node.args else node.kwargs["input"]).dim() - 1
+    if last in dims:
+        raise _Skip(f"{M.describe(node)} moves or indexes the vocabulary dimension (the last one)")
+
+
+def _reshape_args(call: M.Bound, vocab: Any) -> tuple[str, tuple]:
+    shape = call["size"] if "size" in call else call["shape"]
+    node = call.node
+    if not shape or any(not isinstance(s, (int, torch.SymInt, fx.Node)) or isinstance(s, bool) for s in shape):
+        raise _Skip(f"{M.describe(node)}: size={shape!r} is not a shape (a view as another dtype?)")
+    last = shape[-1]
+    if isinstance(last, int) and last == -1:
+        return "reshape", tuple(shape)
+    if isinstance(last, fx.Node):
+        last = fake(last)
+    if not M.same_size(last, vocab):
+        raise _Skip(f"{M.describe(node)} merges the vocabulary dimension with others")
+    return "reshape", (*shape[:-1], _HIDDEN)
+
+
+def _row_args(call: M.Bound, vocab: Any) -> tuple[str, tuple]:
+    """(method, args) re-applying the row op ``call`` to ``h``; raises ``_Skip`` if it touches V."""
+    node = call.node
+    ndim = fake(call["input"]).dim()
+    if M.is_call(node, M.RESHAPE):
+        return _reshape_args(call, vocab)
+    if M.is_call(node, M.FLATTEN):
+        start, end = _dim(call["start_dim"], ndim, node), _dim(call["end_dim"], ndim, node)
+        if end == ndim - 1 and start < end:
+            raise _Skip(f"{M.describe(node)} flattens the vocabulary dimension into the rows")
+        return "flatten", (start, end)
+    if M.is_call(node, M.TRANSPOSE):
+        d0, d1 = (_dim(d, ndim, node) for d in list(call.values())[1:3])
+        if d0 != d1:
+            _vocab_untouched(node, d0, d1)
+        return "transpose", (d0, d1)
+    if M.is_call(node, M.PERMUTE):
+        dims = [_dim(d, ndim, node) for d in call["dims"]]
+        if dims[-1] != ndim - 1:
+            _vocab_untouched(node, ndim - 1)
+        return "permute", (dims,)
+    return _row_args_indexing(call, ndim)
+
+
+def _row_args_indexing(call: M.Bound, ndim: int) -> tuple[str, tuple]:
+    node = call.node
+    if M.is_call(node, M.SELECT | M.NARROW | M.UNFLATTEN):
+        _vocab_untouched(node, _dim(call["dim"], ndim, node))
+        return M.call_name(node), tuple(call.values())[1:]
+    if M.is_call(node, M.SQUEEZE):
+        dims = call["dim"]
+        if dims is None:
+            raise _Skip(f"{M.describe(node)}: squeeze() without dim= is not supported")
+        dims = dims if isinstance(dims, (tuple, list)) else [dims]
+        _vocab_untouched(node, *[_dim(d, ndim, node) for d in dims])
+        return "squeeze", (call["dim"],)
+    if M.is_call(node, M.UNSQUEEZE):
+        if _dim(call["dim"], ndim + 1, node) == ndim:
+            raise _Skip(f"{M.describe(node)} adds a dimension after the vocabulary dimension")
+        return "unsqueeze", (call["dim"],)
+    if M.is_call(node, M.GETITEM):
+        _check_index(node, call["index"], ndim)
+        return "getitem", (call["index"],)
+    raise _Skip(f"{M.describe(node)} is not a supported row operation")
+
+
+def _index_dims(item: Any, node: fx.Node) -> int:
+    """How many input dimensions one getitem index item consumes."""
+    if item is None:
+        return 0
+    if isinstance(item, (slice, int, torch.SymInt)) and not isinstance(item, bool):
+        return 1
+    value = fake(item)
+    if isinstance(item, fx.Node) and isinstance(value, (int, torch.SymInt)):
+        return 1
+    if isinstance(item, fx.Node) and isinstance(value, torch.Tensor):
+        if value.dtype in (torch.bool, torch.uint8):
+            return value.dim()
+        if not value.dtype.is_floating_point and not value.dtype.is_complex:
+            return 1
+    raise _Skip(f"{M.describe(node)}: index {item!r} is not an int, slice, None, Ellipsis or index tensor")
+
+
+def _check_index(node: fx.Node, index: Any, ndim: int) -> None:
+    """The index leaves the last (vocabulary) dimension whole: ``:``, ``...`` or not indexed at all."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(item is Ellipsis for item in items) > 1:
+        raise _Skip(f"{M.describe(node)}: more than one Ellipsis")
+    used = sum(_index_dims(item, node) for item in items if item is not Ellipsis)
+    dim = 0
+    for item in items:
+        width = ndim - used if item is Ellipsis else _index_dims(item, node)
+        if dim + width >= ndim and width and not (item is Ellipsis or item == slice(None)):
+            raise _Skip(f"{M.describe(node)} indexes the vocabulary dimension (the last one)")
+        dim += width
+
+
+# ---------------------------------------------------------------------------------------------
+# Value ops
+# ---------------------------------------------------------------------------------------------
+
+def _chain_operand(call: M.Bound, first: str, second: str) -> tuple[fx.Node, Any]:
+    """(the operand carrying the logits, the other one) of a binary op."""
+    a, b = call[first], call[second]
+    fo = fake(call.node)
+    for x, y in ((a, b), (b, a)):
+        fx_ = fake(x)
+        if isinstance(x, fx.Node) and isinstance(fx_, torch.Tensor) and fx_.dim() == fo.dim() and all(
+                M.same_size(p, q) for p, q in zip(fx_.shape, fo.shape)):
+            if not (isinstance(y, fx.Node) and isinstance(fake(y), torch.Tensor) and fake(y).dim() == fo.dim()):
+                return x, y
+    raise _Skip(f"{M.describe(call.node)} combines two tensors of logits' shape")
+
+
+def _number(value: Any, node: fx.Node, what: str) -> float:
+    if isinstance(value, fx.Node) or isinstance(value, torch.Tensor):
+        raise _Skip(f"{M.describe(node)} {what} the logits by a tensor, not a Python number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _Skip(f"{M.describe(node)} {what} the logits by {value!r}")
+    return float(value)
+
+
+def _value_op(node: fx.Node) -> tuple[fx.Node, tuple]:
+    """(the logits input, (kind, argument)) of a value op; raises ``_Skip`` on anything else."""
+    fin_out = fake(node)
+    if M.is_call(node, M.CAST):
+        src = node.args[0]
+        fin = fake(src)
+        if fin_out.dtype != torch.float32 or fin.dtype not in _UPCAST_FROM or fin.device != fin_out.device:
+            raise _Skip(f"{M.describe(node)}: a cast from {fin.dtype} to {fin_out.dtype}; only an fp32 upcast "
+                        "is fused")
+        return src, ("upcast", None)
+    call = _bound(node)
+    if M.is_call(node, M.ADD):
+        _require(call, "input", "other")
+        src, bias = _chain_operand(call, "input", "other")
+        return src, ("bias", _vector_bias(bias, node))
+    if M.is_call(node, M.MUL):
+        _require(call, "input", "other")
+        src, factor = _chain_operand(call, "input", "other")
+        return src, ("mul", _number(factor, node, "multiplies"))
+    if M.is_call(node, M.DIV):
+        _require(call, "input", "other")
+        divisor = _number(call["other"], node, "divides")
+        if divisor == 0.0:
+            raise _Skip(f"{M.describe(node)} divides the logits by zero")
+        return call["input"], ("div", divisor)
+    if M.is_call(node, M.TANH):
+        _require(call, "input")
+        return call["input"], ("tanh", None)
+    if M.is_call(node, M.LOG_SOFTMAX):
+        return call["input"], ("log_softmax", _log_softmax_upcast(call))
+    raise _Skip(f"the logits reach the loss through {M.describe(node)}, which the fused op does not compute")
+
+
+def _log_softmax_upcast(call: M.Bound) -> bool:
+    _require(call, "input", "dim", "dtype", "_stacklevel")
+    node, fin = call.node, fake(call["input"])
+    dim = call["dim"]
+    if dim is None:  # torch's implicit dim for the legacy call without dim=
+        dim = 0 if fin.dim() in (0, 1, 3) else 1
+    if _dim(dim, fin.dim(), node) != fin.dim() - 1:
+        raise _Skip(f"{M.describe(node)}: log_softmax over dim={dim}, not the last (vocabulary) dimension")
+    dtype = call["dtype"]
+    if dtype is not None and (dtype != torch.float32 or fin.dtype not in _UPCAST_FROM):
+        raise _Skip(f"{M.describe(node)}: dtype={dtype} is not an fp32 upcast")
+    return dtype is not None
+
+
+def _cancel(num: list[float], den: list[float]) -> float:
+    """``prod(num) / prod(den)``, exactly 1.0 when the two cancel (``tanh(z / c) * c``)."""
+    num, den = list(num), list(den)
+    for value in list(num):
+        if value in den:
+            num.remove(value)
+            den.remove(value)
+    return math.prod(num) / math.prod(den)
+
+
+def _fold(values: list[tuple[str, Any, fx.Node]], bias: Any) -> _Values:
+    """The value ops (innermost first) as ``softcap(k * (z + bias))``, or ``_Skip``."""
+    out = _Values(bias=bias)
+    scales: dict[str, list[float]] = {"mul": [], "div": []}
+    post: dict[str, list[float]] = {"mul": [], "div": []}
+    tanh = False
+    for kind, arg, node in values:
+        if out.log_softmax and kind != "upcast":
+            raise _Skip(f"{M.describe(node)} comes after log_softmax")
+        if kind == "upcast":
+            out.upcast = True
+        elif kind == "bias":
+            if out.bias is not None or tanh or scales["mul"] or scales["div"]:
+                raise _Skip(f"{M.describe(node)}: a bias added after another bias, a scaling or a tanh")
+            out.bias = arg
+        elif kind in ("mul", "div"):
+            (post if tanh else scales)[kind].append(arg)
+        elif kind == "tanh":
+            if tanh:
+                raise _Skip(f"{M.describe(node)}: tanh applied twice")
+            tanh = True
+        else:
+            out.log_softmax = True
+            out.upcast = out.upcast or arg
+    if tanh:
+        out.softcap = _cancel(post["mul"], post["div"])
+        if not out.softcap > 0.0:
+            raise _Skip(f"soft-cap scale {out.softcap} is not positive")
+    out.scale = _cancel(scales["mul"] + post["mul"], scales["div"] + post["div"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The candidate: loss back to projection
+# ---------------------------------------------------------------------------------------------
 
 def _only_user(node: fx.Node, user: fx.Node) -> None:
     others = [u for u in node.users if u is not user]
     if others:
-        raise _Skip(f"the logits ({node.name}) have other users ({', '.join(_describe(u) for u in others)}); "
+        raise _Skip(f"the logits ({node.name}) have other users ({', '.join(M.describe(u) for u in others)}); "
                     "left alone: fusing would compute them twice and keep them in memory anyway")
 
 
-def _loss_args(node: fx.Node, m: dict[str, Any], nll: bool) -> None:
-    weight = _arg(node, 2, "weight", None)
-    if weight is not None:
-        raise _Skip("class weights (weight=) are not supported by the fused kernel")
-    for index, name in ((3, "size_average"), (5, "reduce")):
-        if _arg(node, index, name, None) is not None:
-            raise _Skip(f"legacy argument {name}= is not supported")
-    m["ignore_index"] = _arg(node, 4, "ignore_index", -100)
-    m["reduction"] = _arg(node, 6, "reduction", "mean")
-    m["label_smoothing"] = 0.0 if nll else _arg(node, 7, "label_smoothing", 0.0)
-    for key in ("ignore_index", "reduction", "label_smoothing"):
-        if isinstance(m[key], fx.Node):
-            raise _Skip(f"{key} is a traced value, not a constant")
-    if m["reduction"] not in ("mean", "sum", "none"):
-        raise _Skip(f"reduction={m['reduction']!r}")
+def _walk(logits: fx.Node, user: fx.Node) -> tuple[_Projection, list, list, list[fx.Node]]:
+    """From the loss input back to the projection: (projection, row ops, value ops, path nodes)."""
+    rows: list[tuple[str, tuple]] = []
+    values: list[tuple[str, Any, fx.Node]] = []
+    chain: list[fx.Node] = []
+    cur = logits
+    while True:
+        if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
+            raise _Skip(f"the logits come from {M.describe(cur)}, not from a projection in this graph")
+        _only_user(cur, user)
+        if M.is_inplace(cur):
+            raise _Skip(f"{M.describe(cur)}: in-place {M.call_name(cur)} on the logits is not supported")
+        proj = _projection(cur)
+        if proj is not None:
+            return proj, rows, values, chain + [cur, *proj.erase]
+        src = _step(cur, rows, values)
+        chain.append(cur)
+        user, cur = cur, src
 
 
-def _row_index_ok(index: Any, ndim: int) -> bool:
-    """``index`` (a getitem key) selects rows only: the last (vocabulary) dimension is untouched."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if any(not (isinstance(i, (slice, int)) or i is Ellipsis) for i in items):
-        return False
-    if any(isinstance(i, slice) and any(isinstance(v, fx.Node) for v in (i.start, i.stop, i.step))
-           for i in items):
-        return False
-    if Ellipsis in items:
-        after = items[items.index(Ellipsis) + 1:]
-        return not after or after[-1] == slice(None)
-    if len(items) < ndim:
-        return True
-    return len(items) == ndim and items[-1] == slice(None)
+def _step(node: fx.Node, rows: list, values: list) -> Any:
+    """Record one path node (row op, value op or identity); returns its logits input."""
+    if M.is_call(node, M.IDENTITY):
+        _require(_bound(node), "input", "memory_format")
+        return node.args[0] if node.args else node.kwargs["input"]
+    row_ops = (M.RESHAPE | M.FLATTEN | M.UNFLATTEN | M.TRANSPOSE | M.PERMUTE | M.SELECT | M.NARROW
+               | M.SQUEEZE | M.UNSQUEEZE | M.GETITEM)
+    if M.is_call(node, row_ops):
+        call = _bound(node)
+        fin, fout = fake(call["input"]), fake(node)
+        if fin.dim() == 0:
+            raise _Skip(f"{M.describe(node)}: the logits have no vocabulary dimension")
+        rows.insert(0, _row_args(call, fin.shape[-1]))
+        if fout.dim() == 0 or not M.same_size(fin.shape[-1], fout.shape[-1]):
+            raise _Skip(f"{M.describe(node)} changes the vocabulary dimension (the last one)")
+        return call["input"]
+    src, (kind, arg) = _value_op(node)
+    values.insert(0, (kind, arg, node))
+    return src
 
 
-def _softcap_of(node: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
-    """``tanh(x / c) * c`` (either operand order) -> (x, c, nodes)."""
-    if not (_is_call(node, {operator.mul, torch.mul}) and len(node.args) == 2):
-        return None
-    a, b = node.args
-    tanh, c = (a, b) if isinstance(a, fx.Node) else (b, a)
-    if not isinstance(c, (int, float)) or isinstance(c, bool) or not isinstance(tanh, fx.Node):
-        return None
-    if not (_is_call(tanh, _TANH) or _is_method(tanh, "tanh")):
-        return None
-    div = tanh.args[0]
-    if not (_is_call(div, {operator.truediv, torch.div}) and len(div.args) == 2
-            and isinstance(div.args[1], (int, float)) and float(div.args[1]) == float(c)):
-        return None
-    if not (float(c) > 0.0):
-        return None
-    return div.args[0], float(c), [node, tanh, div]
+def _loss_args(call: M.Bound) -> dict[str, Any]:
+    if call["weight"] is not None:
+        raise _Skip(f"{M.describe(call.node)}: class weights (weight=) are not supported by the fused kernel")
+    _require(call, "input", "target", "ignore_index", "reduction", "label_smoothing")
+    args = {"reduction": call["reduction"], "ignore_index": call["ignore_index"],
+            "label_smoothing": call.get("label_smoothing", 0.0)}
+    for key, value in args.items():
+        if isinstance(value, fx.Node):
+            raise _Skip(f"{M.describe(call.node)}: {key} is a traced value, not a constant")
+    if args["reduction"] not in ("mean", "sum", "none"):
+        raise _Skip(f"{M.describe(call.node)}: reduction={args['reduction']!r}")
+    return args
 
 
-def _strip_transpose(w: Any) -> fx.Node | None:
-    """``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` / ``W.permute(1, 0)`` -> W (2-D), else None."""
-    if not isinstance(w, fx.Node):
-        return None
-    if _is_method(w, "t") or _is_call(w, {torch.t}):
-        return w.args[0]
-    if (w.op == "call_function" and w.target is getattr and w.args[1] in ("T", "mT")):
-        return w.args[0]
-    if (_is_method(w, "transpose") or _is_call(w, {torch.transpose})) and sorted(
-            int(d) % 2 for d in w.args[1:3]) == [0, 1]:
-        return w.args[0]
-    if _is_method(w, "permute") and tuple(w.args[1:]) in ((1, 0), ((1, 0),)):
-        return w.args[0]
-    return None
-
-
-def _match_projection(node: fx.Node, m: dict[str, Any]) -> None:
-    if _is_call(node, _LINEAR):
-        m["h"], m["weight"] = node.args[0], _arg(node, 1, "weight", None)
-        m["bias"] = _arg(node, 2, "bias", None)
-        m["proj"] = node
-        return
-    bias = None
-    if _is_call(node, {operator.add, torch.add}) and len(node.args) == 2:
-        a, b = node.args
-        for mm, other in ((a, b), (b, a)):
-            if _is_call(mm, _MATMUL) and isinstance(other, fx.Node):
-                fb, fo = fake(other), fake(mm)
-                if isinstance(fb, torch.Tensor) and fb.dim() == 1 and fo is not None and _same_size(
-                        fb.shape[0], fo.shape[-1]):
-                    _only_user(mm, node)
-                    m["chain"].append(mm)
-                    bias, node = other, mm
-                    break
-    if _is_call(node, _MATMUL):
-        h, wt = node.args[:2]
-        fw = fake(wt)
-        if not isinstance(fw, torch.Tensor) or fw.dim() != 2:
-            raise _Skip("the projection's weight is not a 2-D matrix")
-        w = _strip_transpose(wt)
-        if w is not None:
-            m["weight"] = w
-            if len(wt.users) == 1:
-                m["chain"].append(wt)
-        else:
-            m["weight"], m["weight_transposed"] = wt, True
-        m["h"], m["bias"], m["proj"] = h, bias, node
-        return
-    raise _Skip(f"the logits come from {_describe(node)}, not a linear projection")
-
-
-def _match(loss: fx.Node) -> _Match | None:
-    m: dict[str, Any] = {"chain": [], "row_index": [], "softcap": 0.0, "upcast": False}
-    if _is_call(loss, _LINEAR_CE):
-        if _arg(loss, 3, "weight", None) is not None or loss.kwargs.get("weight") is not None:
-            raise _Skip("class weights (weight=) are not supported by the fused kernel")
-        m.update(pattern="F.linear_cross_entropy", h=loss.args[0], weight=loss.args[1], target=loss.args[2],
-                 bias=loss.kwargs.get("linear_bias"), reduction=loss.kwargs.get("reduction", "mean"),
-                 ignore_index=loss.kwargs.get("ignore_index") if loss.kwargs.get("ignore_index") is not None
-                 else -100, label_smoothing=loss.kwargs.get("label_smoothing", 0.0))
-        return _Match(loss=loss, **m)
-    if _is_call(loss, _CROSS_ENTROPY):
-        m["pattern"] = "cross_entropy"
-        logits, m["target"] = loss.args[0], _arg(loss, 1, "target", None)
-        _loss_args(loss, m, nll=False)
-    elif _is_call(loss, _NLL):
-        m["pattern"] = "log_softmax+nll_loss"
-        lsm, m["target"] = loss.args[0], _arg(loss, 1, "target", None)
-        if not (_is_call(lsm, _LOG_SOFTMAX) or _is_method(lsm, "log_softmax")):
-            return None  # an nll_loss on something else is no LM head candidate
-        _loss_args(loss, m, nll=True)
-        dim = _arg(lsm, 1, "dim", None)
-        flsm = fake(lsm)
-        if dim is None or flsm is None or int(dim) % flsm.dim() != flsm.dim() - 1:
-            raise _Skip(f"log_softmax over dim={dim}, not the last (vocabulary) dimension")
-        if _arg(lsm, 3 if lsm.op == "call_function" else 2, "dtype", None) is not None:
-            raise _Skip("log_softmax(dtype=...) is not supported")
-        _only_user(lsm, loss)
-        m["chain"].append(lsm)
-        logits = lsm.args[0]
-    else:
-        return None
-    flog = fake(logits)
+def _check_loss_input(logits: Any, target: Any) -> None:
+    flog, ftgt = fake(logits), fake(target)
     if not isinstance(flog, torch.Tensor) or flog.dim() != 2:
-        raise _Skip("the loss input is not [N, V] logits (class dimension must be last)")
-    if not isinstance(m["target"], fx.Node) or fake(m["target"]) is None or fake(m["target"]).dtype != torch.int64:
+        shape = tuple(flog.shape) if isinstance(flog, torch.Tensor) else flog
+        raise _Skip(f"the loss input has shape {shape}: the fused op needs [N, V] logits "
+                    "(class dimension must be last)")
+    if not isinstance(target, fx.Node) or not isinstance(ftgt, torch.Tensor) or ftgt.dtype != torch.int64:
         raise _Skip("the targets are not class indices (int64); probability targets are not supported")
 
-    cur, user = logits, loss if m["pattern"] == "cross_entropy" else m["chain"][-1]
-    while True:
-        _only_user(cur, user)
-        fcur = fake(cur)
-        if _is_method(cur, _RESHAPE_METHODS) or _is_call(cur, _RESHAPE_FUNCS):
-            src = cur.args[0]
-            if not _same_size(fake(src).shape[-1], fcur.shape[-1]):
-                raise _Skip(f"{_describe(cur)} changes the vocabulary dimension")
-        elif _is_call(cur, {operator.getitem}):
-            src = cur.args[0]
-            if not _row_index_ok(cur.args[1], fake(src).dim()):
-                raise _Skip(f"{_describe(cur)} indexes the vocabulary dimension or uses tensor indices")
-            m["row_index"].insert(0, cur.args[1])
-        elif _is_method(cur, "float") or (_is_method(cur, "to") and torch.float32 in cur.args[1:]):
-            src = cur.args[0]
-            m["upcast"] = True
-        elif (sc := _softcap_of(cur)) is not None:
-            if m["softcap"]:
-                raise _Skip("soft-capping applied twice")
-            src, m["softcap"], nodes = sc
-            m["chain"] += nodes
-            user, cur = nodes[-1], src
+
+def _match(loss: fx.Node) -> _Head | None:
+    if M.is_call(loss, M.LINEAR_CROSS_ENTROPY):
+        return _match_linear_cross_entropy(loss)
+    if M.is_call(loss, M.CROSS_ENTROPY):
+        pattern = "cross_entropy"
+    elif M.is_call(loss, M.NLL_LOSS):
+        pattern = "log_softmax+nll_loss"
+    else:
+        return None
+    call = _bound(loss)
+    values: list = []
+    try:
+        args = _loss_args(call)
+        _check_loss_input(call["input"], call["target"])
+        proj, rows, values, chain = _walk(call["input"], loss)
+    except _Skip:
+        if pattern != "cross_entropy" and not any(v[0] == "log_softmax" for v in values):
+            return None  # an nll_loss that is no log_softmax over logits: not an LM head candidate
+        raise
+    folded = _fold(values, proj.bias)
+    if folded.log_softmax != (pattern != "cross_entropy"):
+        if pattern == "cross_entropy":
+            raise _Skip("cross_entropy over log_softmax outputs is not fused")
+        return None
+    return _Head(loss, pattern, call["target"], proj, call["input"], rows, folded, chain=chain, **args)
+
+
+def _match_linear_cross_entropy(loss: fx.Node) -> _Head:
+    call = _bound(loss)
+    if call["weight"] is not None:
+        raise _Skip(f"{M.describe(loss)}: class weights (weight=) are not supported by the fused kernel")
+    _require(call, "input", "linear_weight", "target", "linear_bias", "reduction", "ignore_index",
+             "label_smoothing")
+    h, w, bias = call["input"], call["linear_weight"], call["linear_bias"]
+    if getattr(fake(h), "ndim", 0) != 2 or getattr(fake(w), "ndim", 0) != 2:
+        raise _Skip(f"{M.describe(loss)}: input and linear_weight must be 2-D")
+    if bias is not None and getattr(fake(bias), "ndim", 0) != 1:
+        raise _Skip(f"{M.describe(loss)}: linear_bias is not a [V] vector")
+    ftgt = fake(call["target"])
+    if not isinstance(ftgt, torch.Tensor) or ftgt.dtype != torch.int64 or ftgt.dim() != 1:
+        raise _Skip("the targets are not class indices (int64); probability targets are not supported")
+    ignore = call["ignore_index"]
+    args = {"reduction": call["reduction"], "ignore_index": -100 if ignore is None else ignore,
+            "label_smoothing": call["label_smoothing"]}
+    return _Head(loss, "F.linear_cross_entropy", call["target"], _Projection(loss, h, w, bias=bias), loss, [],
+                 _Values(bias=bias), **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The replacement
+# ---------------------------------------------------------------------------------------------
+
+class _Emitter:
+    """Adds nodes before the loss, computing each one's fake value at once (so a replacement that
+    does not trace is refused before anything is committed); ``discard`` removes them again."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node) -> None:
+        self.graph, self.anchor, self.created = graph, anchor, []
+
+    def __call__(self, op: str, target: Any, *args: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, {})
+        self.created.append(node)
+        try:
+            node.meta["example_value"] = fake_node(node)
+        except Exception as exc:
+            raise _Skip(f"the replacement does not trace: {M.describe(node)}: {exc}") from exc
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in self.anchor.meta:
+                node.meta[key] = self.anchor.meta[key]
+        return node
+
+    def method(self, name: str, *args: Any) -> fx.Node:
+        return self("call_method", name, *args)
+
+    def function(self, fn: Callable, *args: Any) -> fx.Node:
+        return self("call_function", fn, *args)
+
+    def discard(self) -> None:
+        for node in reversed(self.created):
+            if not getattr(node, "_erased", False) and not node.users:  # checked_replace may have erased it
+                self.graph.erase_node(node)
+
+
+def _hidden_rows(emit: _Emitter, head: _Head) -> fx.Node:
+    """``h`` with the path's row ops applied: row ``r`` is the hidden state behind target ``r``."""
+    h = head.proj.h
+    hidden = fake(h).shape[-1]
+    for method, args in head.rows:
+        if method == "getitem":
+            h = emit.function(operator.getitem, h, *args)
             continue
-        else:
-            _match_projection(cur, m)  # (a bias add also puts its matmul on the chain)
-            m["chain"].append(cur)
-            break
-        m["chain"].append(cur)
-        user, cur = cur, src
-    return _Match(loss=loss, **m)
+        if args and args[-1] is _HIDDEN:
+            size = hidden if isinstance(hidden, int) else emit.method("size", head.proj.h, -1)
+            args = (*args[:-1], size)
+        h = emit.method(method, h, *args)
+    fh, flog = fake(h), fake(head.logits)
+    if fh.dim() != 2 or not M.same_size(fh.shape[0], flog.shape[0] if flog.dim() else 1):
+        raise _Skip(f"the hidden rows {tuple(fh.shape)} do not line up with the logits {tuple(flog.shape)}")
+    return h
 
 
-def _build(graph: fx.Graph, m: _Match, ctx: PassContext) -> fx.Node:
+def _projection_dtype(head: _Head) -> torch.dtype:
+    """The dtype the projection computes in (autocast may differ from h's and W's)."""
+    return fake(head.proj.node).dtype if head.proj.node is not head.loss else fake(head.proj.h).dtype
+
+
+def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
     from comera_compile.kernels.linear_cross_entropy import default_filter_eps
 
-    fh, fw = fake(m.h), fake(m.weight)
-    proj_dtype = fake(m.proj).dtype if m.proj is not None else fh.dtype
-    h, w, b = m.h, m.weight, m.bias
-    for index in m.row_index:
-        h = graph.call_function(operator.getitem, (h, index))
-    h = graph.call_method("reshape", (h, -1, fh.shape[-1] if not isinstance(fh.shape[-1], torch.SymInt)
-                                      else graph.call_method("size", (m.h, -1))))
-    if m.weight_transposed:
-        w = graph.call_method("t", (w,))
-    # Autocast (or a mixed-dtype model) computes the projection in proj_dtype: do the same.
-    if fh.dtype != proj_dtype:
-        h = graph.call_method("to", (h, proj_dtype))
-    if fw.dtype != proj_dtype:
-        w = graph.call_method("to", (w, proj_dtype))
-    if b is not None and fake(b).dtype != proj_dtype:
-        b = graph.call_method("to", (b, proj_dtype))
-    target = m.target
-    if fake(target).dim() != 1:
-        target = graph.call_method("reshape", (target, -1))
+    proj, vals = head.proj, head.values
+    dtype = _projection_dtype(head)
+    h, w, b = _hidden_rows(emit, head), proj.weight, vals.bias
+    if vals.scale != 1.0:
+        h = emit.function(operator.mul, h, vals.scale)
+        b = emit.function(operator.mul, b, vals.scale) if b is not None else None
+    if proj.transposed:
+        w = emit.method("t", w)
+    # Autocast (or a mixed-dtype model) computes the projection in `dtype`: do the same.
+    h, w = (x if fake(x).dtype == dtype else emit.method("to", x, dtype) for x in (h, w))
+    if b is not None and fake(b).dtype != dtype:
+        b = emit.method("to", b, dtype)
     opts = ctx.options
-    eps = opts.cce_filter_eps if opts.cce_filter_eps is not None else default_filter_eps(proj_dtype)
-    fused = graph.call_function(torch.ops.comera.linear_cross_entropy.default, (
-        h, w, target, b, float(m.softcap), int(m.ignore_index), float(m.label_smoothing), m.reduction,
-        opts.cce_backward, float(eps), bool(opts.cce_deterministic), "auto"))
-    loss = graph.call_function(operator.getitem, (fused, 0))
-    expected = fake(m.loss)
-    if expected is not None and expected.dtype != torch.float32:
-        loss = graph.call_method("to", (loss, expected.dtype))
-    if m.reduction == "none" and expected is not None and expected.dim() != 1:
-        loss = graph.call_method("reshape", (loss, *[int(s) for s in expected.shape]))
+    eps = opts.cce_filter_eps if opts.cce_filter_eps is not None else default_filter_eps(dtype)
+    fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b,
+                          float(vals.softcap), int(head.ignore_index), float(head.label_smoothing),
+                          head.reduction, opts.cce_backward, float(eps), bool(opts.cce_deterministic), "auto")
+    loss = emit.function(operator.getitem, fused, 0)
+    expected = fake(head.loss)
+    if expected.dtype != torch.float32:
+        loss = emit.method("to", loss, expected.dtype)
     return loss
+
+
+def _pays(head: _Head, ctx: PassContext) -> str | None:
+    """Why fusing this head does not pay (``None``: it does): the user's ``cce_min_vocab``, or the op's cost rule."""
+    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
+    from comera_compile.planner import size_hint
+
+    vocab = head.proj.vocab()
+    if not isinstance(vocab, int):
+        return None
+    threshold = ctx.options.cce_min_vocab
+    if threshold is not None:
+        return None if vocab >= threshold else f"vocabulary {vocab} < cce_min_vocab={threshold}"
+    fh = fake(head.proj.h)
+    n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
+    ok, reason = fused_loss_pays(n_tokens, size_hint(fh.shape[-1]), vocab, _projection_dtype(head), fh.device.type)
+    return None if ok else reason
+
+
+def _detail(head: _Head, ctx: PassContext) -> str:
+    vals, fh = head.values, fake(head.proj.h)
+    rows = " > ".join(m for m, _ in head.rows) or "all"
+    return (f"{head.pattern}: D={fh.shape[-1]}, V={head.proj.vocab()}, reduction={head.reduction}, "
+            f"ignore_index={head.ignore_index}, label_smoothing={head.label_smoothing}, "
+            f"softcap={vals.softcap or 'none'}, scale={vals.scale:g}, bias={'yes' if vals.bias is not None else 'no'}, "
+            f"rows={rows}, upcast={'yes' if vals.upcast else 'no'}, backward={ctx.options.cce_backward}")
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
+    """Match, check and commit one candidate loss; records the rewrite or the reason it was left alone."""
+    import comera_compile.kernels.linear_cross_entropy  # noqa: F401  (defines the op)
+
+    emit = _Emitter(gm.graph, node)
+    where = module_name(node)
+    try:
+        head = _match(node)
+        if head is None:
+            return False
+        where = module_name(head.proj.node) or where
+        reason = _pays(head, ctx)
+        if reason is not None:
+            raise _Skip(reason)
+        checked_replace(node, _build(emit, head, ctx), erase=head.chain)
+    except (_Skip, RewriteRejected) as reason:
+        emit.discard()
+        ctx.skip(KIND, str(reason), where)
+        return False
+    ctx.rewrite(KIND, where, _detail(head, ctx))
+    return True
 
 
 def cce_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Rewrite every LM-head + cross-entropy in ``gm`` into one fused op; returns the count."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.graph is None:
-            continue
-        try:
-            m = _match(node)
-        except _Skip as reason:
-            ctx.skip(KIND, str(reason), module_name(node))
-            continue
-        if m is None:
-            continue
-        fw = fake(m.weight)
-        vocab = fw.shape[1] if m.weight_transposed else fw.shape[0]
-        if isinstance(vocab, int) and vocab < ctx.options.cce_min_vocab:
-            ctx.skip(KIND, f"vocabulary {vocab} < cce_min_vocab={ctx.options.cce_min_vocab}", module_name(node))
-            continue
-        where = module_name(m.proj) if m.proj is not None else module_name(node)
-        with gm.graph.inserting_before(node):
-            new = _build(gm.graph, m, ctx)
-        try:
-            checked_replace(node, new, erase=m.chain)
-        except RewriteRejected as exc:
-            ctx.skip(KIND, str(exc), where)
-            continue
-        fh = fake(m.h)
-        detail = (f"{m.pattern}: D={fh.shape[-1]}, V={vocab}, reduction={m.reduction}, "
-                  f"ignore_index={m.ignore_index}, label_smoothing={m.label_smoothing}, "
-                  f"softcap={m.softcap or 'none'}, bias={'yes' if m.bias is not None else 'no'}, "
-                  f"shifted={'yes' if m.row_index else 'no'}, upcast={'yes' if m.upcast else 'no'}, "
-                  f"backward={ctx.options.cce_backward}")
-        ctx.rewrite(KIND, where, detail)
-        count += 1
-    return count
+    losses = M.CROSS_ENTROPY | M.NLL_LOSS | M.LINEAR_CROSS_ENTROPY
+    candidates = [n for n in gm.graph.nodes if M.is_call(n, losses)]
+    return sum(_rewrite(gm, node, ctx) for node in candidates if node.graph is not None)
 
 
 REGISTRY.register(KIND, cce_pass, builtin=True)

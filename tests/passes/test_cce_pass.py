@@ -109,7 +109,7 @@ def _check(variant, inner="aot_eager", dynamic=False, bias=None):
     ref = copy.deepcopy(model)
     x, y = _inputs(1)
     ref_out, ref_grads = _run(ref, x, y)
-    compiled = torch.compile(model, backend="comera", dynamic=dynamic, options={"inner": inner})
+    compiled = torch.compile(model, backend="comera", dynamic=dynamic, options={"inner": inner, "cce_min_vocab": 0})
     out, _ = _run(compiled, x, y)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
@@ -117,7 +117,7 @@ def _check(variant, inner="aot_eager", dynamic=False, bias=None):
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
     torch._dynamo.reset()
-    return cc.explain(copy.deepcopy(ref), x, y, options={"inner": "eager"})
+    return cc.explain(copy.deepcopy(ref), x, y, options={"inner": "eager", "cce_min_vocab": 0})
 
 
 @pytest.mark.parametrize("variant", FUSED)
@@ -150,11 +150,12 @@ def test_tied_embedding_gpt_inductor_dynamic():
     ref = copy.deepcopy(model)
     (idx,) = GPT.example(seed=4)
     ref_loss, ref_grads = loss_and_grads(ref, [idx])
-    loss, grads = loss_and_grads(torch.compile(model, backend="comera", dynamic=True), [idx], params_of=model)
+    compiled = torch.compile(model, backend="comera", dynamic=True, options={"cce_min_vocab": 0})
+    loss, grads = loss_and_grads(compiled, [idx], params_of=model)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for k in ref_grads:
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
-    report = cc.explain(copy.deepcopy(ref), idx, options={"inner": "eager"})
+    report = cc.explain(copy.deepcopy(ref), idx, options={"inner": "eager", "cce_min_vocab": 0})
     assert [r.kind for r in report.rewrites] == ["cce"]
 
 
@@ -181,5 +182,125 @@ def test_no_grad_inference():
 
 def test_exact_backward_option_reaches_the_op():
     x, y = _inputs(6)
-    report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", "cce_backward": "exact"})
+    report = cc.explain(Head("linear_mean"), x, y,
+                        options={"inner": "eager", "cce_backward": "exact", "cce_min_vocab": 0})
     assert "'exact'" in report.graphs[0].code
+
+
+# --- issue 10: rewrites that are never wrong ------------------------------------------------------
+
+def _against_eager(fn, B=2, T=5, hidden=8, vocab=V, options=None):
+    """Loss and gradients of ``fn(h, W, b, y)`` compiled (aot_eager) vs eager; returns the explain report."""
+    g = torch.Generator().manual_seed(10)
+    h0, W0, b0 = torch.randn(B, T, hidden, generator=g), torch.randn(vocab, hidden, generator=g), torch.randn(vocab, generator=g)
+    y = torch.randint(0, vocab, (B, T), generator=g)
+    y[0, 1] = -100
+    results = []
+    for compiled in (False, True):
+        h, W, b = (t.clone().requires_grad_() for t in (h0, W0, b0))
+        if compiled:
+            report = cc.explain(fn, h, W, b, y, options={"inner": "aot_eager", "cce_min_vocab": 0, **(options or {})})
+            loss = report.output
+        else:
+            loss = fn(h, W, b, y)
+        loss.sum().backward()
+        results.append((loss.detach(), [t.grad if t.grad is not None else torch.zeros_like(t) for t in (h, W, b)]))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for name, a, e in zip("hWb", grads, ref_grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+    return report
+
+
+def _cce_skips(report):
+    return [s.reason for s in report.skipped if s.kind == "cce"]
+
+
+def test_case1_add_alpha_is_left_alone_naming_alpha():
+    report = _against_eager(lambda h, W, b, y: F.cross_entropy(torch.add(h @ W.T, b, alpha=2.0).view(-1, V), y.view(-1)))
+    assert report.rewrites == [] and "alpha=2.0" in _cce_skips(report)[0]
+
+
+def test_case2_div_rounding_mode_is_no_softcap():
+    def fn(h, W, b, y):
+        z = h @ W.T
+        return F.cross_entropy((torch.tanh(torch.div(z, 3.0, rounding_mode="floor")) * 3.0).view(-1, V), y.view(-1))
+
+    report = _against_eager(fn)
+    assert report.rewrites == [] and "rounding_mode='floor'" in _cce_skips(report)[0]
+
+
+def test_case3_select_after_view_reaches_the_right_rows():
+    def fn(h, W, b, y):
+        logits = F.linear(h.reshape(-1, 8), W).view(2, 5, V)
+        return F.cross_entropy(logits[0], y[0])
+
+    report = _against_eager(fn)
+    assert [r.kind for r in report.rewrites] == ["cce"]
+
+
+def test_case3_shift_after_view_when_seq_len_equals_hidden():
+    def fn(h, W, b, y):
+        logits = F.linear(h.reshape(-1, 8), W).view(2, 8, V)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))
+
+    report = _against_eager(fn, T=8, hidden=8)
+    assert [r.kind for r in report.rewrites] == ["cce"]
+
+
+def test_case7_all_keyword_arguments_are_fused():
+    def fn(h, W, b, y):
+        return F.cross_entropy(input=F.linear(input=h, weight=W, bias=b).view(-1, V), target=y.view(-1),
+                               reduction="sum")
+
+    report = _against_eager(fn)
+    assert [r.kind for r in report.rewrites] == ["cce"] and not report.skipped
+
+
+@pytest.mark.parametrize("case", ["transpose_rows", "select_dim1", "index_tensor", "temperature_softcap",
+                                  "nll_log_softmax_before_flatten", "addmm"])
+def test_row_and_value_ops_are_fused_exactly(case):
+    idx = torch.tensor([4, 0, 2])
+    fns = {
+        "transpose_rows": lambda h, W, b, y: F.cross_entropy(F.linear(h, W, b).transpose(0, 1).reshape(-1, V),
+                                                             y.t().reshape(-1)),
+        "select_dim1": lambda h, W, b, y: F.cross_entropy((h @ W.t()).select(1, 3), y[:, 2], label_smoothing=0.1),
+        "index_tensor": lambda h, W, b, y: F.cross_entropy(F.linear(h, W)[:, idx].flatten(0, 1), y[:, :3].flatten()),
+        "temperature_softcap": lambda h, W, b, y: F.cross_entropy(
+            (torch.tanh((h @ W.T + b) / 0.7 / 3.0) * 3.0).float().view(-1, V), y.view(-1), reduction="none"),
+        "nll_log_softmax_before_flatten": lambda h, W, b, y: F.nll_loss(
+            torch.matmul(h, W.T).log_softmax(-1)[:, 1:].flatten(0, 1), y[:, :-1].flatten(), reduction="sum"),
+        "addmm": lambda h, W, b, y: F.cross_entropy(torch.addmm(b, h.reshape(-1, 8), W.t()), y.reshape(-1)),
+    }
+    report = _against_eager(fns[case])
+    assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+
+
+@pytest.mark.parametrize("case,blocker", [
+    ("inplace", "in-place mul_"),
+    ("double", "torch.float64"),
+    ("bias_after_scale", "a bias added after"),
+    ("sub", "torch.sub"),
+    ("flatten_vocab", "merges the vocabulary dimension"),
+    ("movedim", ".movedim() (movedim)"),
+])
+def test_unsupported_path_ops_are_left_alone_naming_the_blocker(case, blocker):
+    fns = {
+        "inplace": lambda h, W, b, y: F.cross_entropy(F.linear(h, W).mul_(2).reshape(-1, V), y.reshape(-1)),
+        "double": lambda h, W, b, y: F.cross_entropy(F.linear(h, W).double().reshape(-1, V), y.reshape(-1)),
+        "bias_after_scale": lambda h, W, b, y: F.cross_entropy(((h @ W.T) * 2 + b).reshape(-1, V), y.reshape(-1)),
+        "sub": lambda h, W, b, y: F.cross_entropy(torch.sub(h @ W.T, b).reshape(-1, V), y.reshape(-1)),
+        "flatten_vocab": lambda h, W, b, y: F.cross_entropy(F.linear(h, W).flatten(1).view(-1, V), y.reshape(-1)),
+        "movedim": lambda h, W, b, y: F.cross_entropy(F.linear(h, W).movedim(0, 1).reshape(-1, V), y.t().reshape(-1)),
+    }
+    report = _against_eager(fns[case])
+    assert report.rewrites == [] and blocker in _cce_skips(report)[0], _cce_skips(report)
+
+
+def test_cost_rule_leaves_small_vocabularies_alone_by_default():
+    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
+
+    fn = lambda h, W, b, y: F.cross_entropy(F.linear(h, W).view(-1, 3), y.view(-1).clamp(0, 2))  # noqa: E731
+    report = _against_eager(fn, vocab=3, options={"cce_min_vocab": None})
+    ok, reason = fused_loss_pays(10, 8, 3, torch.float32, "cpu")
+    assert not ok and report.rewrites == [] and _cce_skips(report) == [reason]
