@@ -5,9 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
 
+from comera_compile.fx_utils import iter_graph_modules, logits_source
 from comera_compile.options import CompileOptions
-from comera_compile.report import Report, collecting
+from comera_compile.report import Report, SkipRecord, collecting
+
+_LOSSES = {F.cross_entropy, F.nll_loss}
 
 
 def _options_of_compiled(model: Any) -> Any:
@@ -49,6 +55,76 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
 
     report = Report()
     compiled = torch.compile(target, backend=backend)
+    breaks_before = _graph_break_counts()
     with collecting(report):
         report.output = compiled(*example_args, **example_kwargs)
+    report.graph_breaks = _new_graph_breaks(breaks_before)
+    _use_user_names(report, _wrapper_prefix(target))
+    _note_separated_losses(report)
     return report
+
+
+def _wrapper_prefix(model: Any) -> str:
+    """The names wrappers put in front of the user's module names: ``0.`` of an ``nn.Sequential``
+    holding only the model, ``module.`` of DDP / DataParallel (``_orig_mod`` is dropped everywhere)."""
+    prefix = ""
+    while isinstance(model, nn.Module):
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, nn.Sequential) and len(model) == 1:
+            prefix, model = prefix + "0.", model[0]
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            prefix, model = prefix + "module.", model.module
+        else:
+            break
+    return prefix
+
+
+def _use_user_names(report: Report, prefix: str) -> None:
+    if not prefix:
+        return
+    for record in report.rewrites + report.skipped:
+        if record.module is not None and (record.module + ".").startswith(prefix):
+            record.module = record.module[len(prefix):] or None
+
+
+def _graph_break_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _new_graph_breaks(before: dict[str, int]) -> list[str]:
+    """Dynamo's graph-break reasons recorded since ``before``: the first line, and the debug
+    context line that names the call, each with its count."""
+    found = []
+    for reason, count in _graph_break_counts().items():
+        if count > before.get(reason, 0):
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            context = [line for line in lines[1:] if line.startswith("Developer debug context")]
+            text = "; ".join(lines[:1] + context)
+            found.append(f"{text[:300]} (x{count - before.get(reason, 0)})")
+    return found
+
+
+def _note_separated_losses(report: Report) -> None:
+    """A cross-entropy whose logits are an input of its graph cannot be fused with the projection
+    that made them; say so, and say which graph breaks the run saw."""
+    for graph in report.graph_reports:
+        if graph.gm is None:
+            continue
+        for _, gm in iter_graph_modules(graph.gm):
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target in _LOSSES and isinstance(node.args[0], fx.Node):
+                    source = logits_source(node.args[0])
+                    if source.op == "placeholder":
+                        graph.skipped.append(SkipRecord("graph break", _separated_reason(
+                            source, graph.index, report.graph_breaks), None, graph.index))
+
+
+def _separated_reason(source: fx.Node, index: int, breaks: list[str]) -> str:
+    where = (f"the loss's logits enter graph {index} as its input {source.target!r}, so the loss is not in the "
+             "graph of the projection that made them and cannot be fused with it")
+    if breaks:
+        return where + f"; graph break(s) in this run: {' | '.join(breaks)} (TORCH_LOGS=graph_breaks shows where)"
+    return where + "; no graph break was recorded, so the compiled function itself takes the logits as an argument"

@@ -9,8 +9,14 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_BRACKET = re.compile(r"\._modules\['([^']*)'\]|\['([^']*)'\]")
+_PREFIX = re.compile(r"^[LG]\['[^']*'\]\.?")  # the local or global the model was reached through
+_BRACKET = re.compile(r"\.?_modules\['([^']*)'\]|\['([^']*)'\]")
+# Attributes through which wrappers hold the user's module: torch.compile, activation checkpointing, FSDP1.
+_WRAPPER_ATTRS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+# Ops a loss input goes through between the projection and the loss (reshapes, upcast, row slices,
+# log_softmax, soft-capping): walking back over them finds where the logits come from.
+_LOGITS_CHAIN = {"view", "reshape", "flatten", "contiguous", "float", "to", "getitem", "log_softmax",
+                 "tanh", "mul", "truediv", "div"}
 
 
 class RewriteRejected(RuntimeError):
@@ -18,11 +24,16 @@ class RewriteRejected(RuntimeError):
 
 
 def clean_module_name(name: str) -> str:
-    """``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` -> ``"layers.0.mlp"`` / ``"h"``."""
+    """The user's name of a module from Dynamo's qualified name.
+
+    ``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` / ``"G['model'].lm_head"`` ->
+    ``"layers.0.mlp"`` / ``"h"`` / ``"lm_head"``; wrapper attributes (``_orig_mod`` of a compiled
+    submodule, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``) are dropped.
+    """
     name = _PREFIX.sub("", name)
     name = _BRACKET.sub(lambda m: "." + (m.group(1) or m.group(2)), name)
     name = re.sub(r"\[(\d+)\]", r".\1", name)
-    return name.strip(".")
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_ATTRS)
 
 
 def module_name(node: fx.Node) -> str | None:
@@ -32,6 +43,41 @@ def module_name(node: fx.Node) -> str | None:
         qualname = list(stack.values())[-1][0]
         return clean_module_name(qualname) or None
     return None
+
+
+def nearest_module_name(node: fx.Node, max_steps: int = 16) -> str | None:
+    """The module that made ``node``'s data: the nearest node along the first inputs that runs in a
+    submodule of ``node``'s own module, else ``node``'s own module.
+
+    A loss is usually computed by the model's top-level forward or a library function
+    (transformers' ``loss_function``), so its own module is the whole model; walking back along the
+    first input finds the projection that made its logits (``lm_head``), the name a user looks for.
+    """
+    own = module_name(node)
+    cur: Any = node
+    for _ in range(max_steps):
+        if not isinstance(cur, fx.Node) or not cur.args:
+            break
+        cur = cur.args[0]
+        name = module_name(cur) if isinstance(cur, fx.Node) else None
+        if name and (own is None or name.startswith(own + ".")):
+            return name
+    return own
+
+
+def logits_source(loss_input: fx.Node, max_steps: int = 32) -> fx.Node:
+    """The node a loss input comes from, past reshapes, upcasts, row slices, log_softmax and
+    soft-capping: the projection, or a placeholder when the logits were made in another graph."""
+    cur = loss_input
+    for _ in range(max_steps):
+        target = cur.target if isinstance(cur.target, str) else getattr(cur.target, "__name__", "")
+        if cur.op not in ("call_function", "call_method") or target not in _LOGITS_CHAIN:
+            return cur
+        inputs = [a for a in cur.args if isinstance(a, fx.Node)]
+        if not inputs:
+            return cur
+        cur = inputs[0]
+    return cur
 
 
 def source_name(node: fx.Node) -> str | None:

@@ -69,6 +69,7 @@ class Report:
 
     graph_reports: list[GraphReport] = field(default_factory=list)
     output: Any = None
+    graph_breaks: list[str] = field(default_factory=list)  # Dynamo's reasons, one line each, during the run
 
     @property
     def graphs(self) -> list[torch.fx.GraphModule]:
@@ -86,6 +87,8 @@ class Report:
     def __str__(self) -> str:
         head = (f"comera explain: {len(self.graph_reports)} graph(s), {len(self.rewrites)} rewrite(s), "
                 f"{len(self.skipped)} candidate(s) left alone")
+        if self.graph_breaks:
+            head += f"\ngraph breaks ({len(self.graph_breaks)}):\n" + "\n".join(f"  {b}" for b in self.graph_breaks)
         return "\n\n".join([head] + [str(g) for g in self.graph_reports])
 
     __repr__ = __str__

@@ -44,3 +44,96 @@ def test_explain_kwargs_and_records():
     (skip,) = [s for s in report.skipped if s.kind == "recorder"]
     assert skip.reason == "nothing to do here" and skip.module == "m"
     assert "[recorder] m: nothing to do here" in str(report)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4)])
+        self.lm_head = nn.Linear(4, 6)
+
+    def forward(self, batch):  # one argument, so nn.Sequential can wrap it
+        x, y = batch
+        logits = self.lm_head(torch.relu(self.layers[0](x)))
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, 6), y.view(-1))
+
+
+_GLOBAL_MODEL = _Inner()
+
+
+def _call_global_model(batch):
+    return _GLOBAL_MODEL(batch)
+
+
+def _names_seen(model, *args):
+    """The module names a pass gets for every linear, and the nearest name of the loss."""
+    from comera_compile.fx_utils import module_name, nearest_module_name
+
+    @cc.register_pass("names")
+    def names(gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target is torch._C._nn.linear:
+                ctx.skip("names", "linear", module_name(node))
+            if node.target is torch.nn.functional.cross_entropy:
+                ctx.skip("names", "loss", nearest_module_name(node))
+        return 0
+
+    try:
+        report = cc.explain(model, *args, options={"inner": "eager"})
+    finally:
+        cc.unregister_pass("names")
+    return [(s.reason, s.module) for s in report.skipped if s.kind == "names"]
+
+
+def test_module_names_are_the_users_own_through_wrappers():
+    """Sequential/compile wrappers and the global a function reaches the model through are not
+    part of the names; the loss computed at the top level is named after its projection."""
+    x, y = torch.randn(3, 4), torch.randint(0, 6, (3,))
+    want = [("linear", "layers.0"), ("linear", "lm_head"), ("loss", "lm_head")]
+    inner = _Inner()
+    for model in (inner, nn.Sequential(inner), torch.compile(inner, backend="eager"),
+                  nn.Sequential(torch.compile(inner, backend="eager")), _call_global_model):
+        torch._dynamo.reset()
+        assert _names_seen(model, (x, y)) == want, model
+    # A Sequential of several modules keeps its indices: they are the user's names.
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 6))
+    torch._dynamo.reset()
+    from comera_compile.fx_utils import module_name
+
+    @cc.register_pass("names")
+    def names(gm, ctx):
+        return [ctx.skip("names", "linear", module_name(n)) for n in gm.graph.nodes
+                if n.target is torch._C._nn.linear] and 0
+
+    try:
+        report = cc.explain(seq, x, options={"inner": "eager"})
+    finally:
+        cc.unregister_pass("names")
+    assert [s.module for s in report.skipped if s.kind == "names"] == ["0", "2"]
+
+
+class _BrokenHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(4, 6)
+
+    def forward(self, x, y):
+        logits = self.lm_head(x)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits.view(-1, 6), y)
+
+
+def test_explain_reports_a_graph_break_between_projection_and_loss():
+    x, y = torch.randn(3, 4), torch.randint(0, 6, (3,))
+    report = cc.explain(_BrokenHead(), x, y, options={"inner": "eager"})
+    assert len(report.graph_reports) == 2 and report.graph_breaks
+    (record,) = [s for s in report.skipped if s.kind == "graph break"]
+    assert record.graph == 1 and "graph break(s) in this run: " in record.reason
+    assert "cannot be fused" in record.reason and "graph_break" in " ".join(report.graph_breaks)
+    assert "graph breaks (1):" in str(report) and "[graph break] -: the loss's logits enter graph 1" in str(report)
+    # A loss function that takes the logits as an argument: no graph break, and the report says so.
+    torch._dynamo.reset()
+    report = cc.explain(lambda logits, t: torch.nn.functional.cross_entropy(logits, t), torch.randn(3, 6), y,
+                        options={"inner": "eager"})
+    (record,) = [s for s in report.skipped if s.kind == "graph break"]
+    assert report.graph_breaks == [] and "no graph break was recorded" in record.reason
