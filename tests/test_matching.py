@@ -146,3 +146,25 @@ def test_signature_names_are_torchs(fn):
 
 def test_same_size_is_structural_for_ints():
     assert M.same_size(3, 3) and not M.same_size(3, 4)
+
+
+def test_readme_matching_example():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Writing a pass"):]
+    code = next(c for c in re.findall(r"```python\n(.*?)```", section, re.S) if "matching as M" in c)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+
+    skipped = []
+
+    class Ctx:
+        def skip(self, kind, reason, module=None):
+            skipped.append(reason)
+
+    gm = fx.symbolic_trace(lambda a, b: torch.add(a, b) + a.add(b, alpha=2))
+    found = namespace["plain_adds"](gm, Ctx())
+    assert [n.target for n in found] == [torch.add, operator.add]
+    assert len(skipped) == 1 and "alpha=2" in skipped[0]
