@@ -1,0 +1,513 @@
+"""The drivers of ``comera::linear_cross_entropy``'s paths (see ``linear_cross_entropy_plan.py``):
+Triton launches, library GEMMs, and the chunked torch reference.
+
+Nothing here reads a device value on the host except the sparse path's one sync per round, so
+every other path can run while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .dispatch import dot_precision
+from .linear_cross_entropy_kernels import HAS_TRITON
+from .linear_cross_entropy_plan import CCEStats, CCETuning, chunk_plan, current_tuning, record
+
+if HAS_TRITON:
+    from .linear_cross_entropy_kernels import (
+        dw_fused_kernel,
+        dw_sparse_kernel,
+        dx_fused_kernel,
+        dx_sparse_kernel,
+        grad_dense_kernel,
+        grad_sparse_kernel,
+        logits_grad_rows_kernel,
+        lse_forward_kernel,
+    )
+
+__all__ = ["GradCoefs", "chunked", "grad_coefs", "recompute_backward", "triton_forward"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _tuning(x: torch.Tensor) -> CCETuning:
+    return current_tuning().fit(x.dtype, x.is_cuda, x.shape[1])
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The torch reference's arithmetic: fp32, or float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token coefficients of the loss being differentiated
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GradCoefs:
+    """``d total / d z_iv = pcoef_i p_iv - tcoef_i [v = t_i] - scoef_i`` (fp32 [N] each), for
+    ``total = sum_i pcoef_i lse_i - tcoef_i z_{i,t_i} - scoef_i sum_v z_iv`` over softcapped logits."""
+
+    pcoef: torch.Tensor
+    tcoef: torch.Tensor
+    scoef: torch.Tensor
+
+
+def grad_coefs(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], valid: torch.Tensor,
+               reduction: str, label_smoothing: float, vocab: int) -> GradCoefs:
+    """Coefficients for ``grad_loss`` (the loss's gradient, a scalar or [N]) and an optional
+    gradient of the lse output; ``grad_loss=None`` stands for 1 (the chunked forward)."""
+    zero = torch.zeros((), device=valid.device, dtype=torch.float32)
+    g = grad_loss.float() if grad_loss is not None else torch.ones((), device=valid.device)
+    if reduction == "mean":
+        g = g / valid.sum()
+    scale = torch.where(valid, g.expand(valid.shape), zero)  # d loss / d nll_i
+    pcoef = scale if grad_lse is None else scale + grad_lse.float()
+    return GradCoefs(pcoef.contiguous(), (scale * (1.0 - label_smoothing)).contiguous(),
+                     (scale * (label_smoothing / vocab)).contiguous())
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward over Triton logits tiles (no gradient)
+# ---------------------------------------------------------------------------------------------
+
+
+def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: float):
+    """(lse, softcapped target logit, logit sum or None), fp32 [N], over Triton logits tiles."""
+    cfg = _tuning(x)
+    N, D = x.shape
+    V = weight.shape[0]
+    BM, BN, BK = cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_block_k
+    num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
+    sms = _num_sms(x.device)
+    want = max(1, _cdiv(4 * sms, num_tb))
+    step = sms // math.gcd(num_tb, sms)  # num_tb * splits a multiple of the SM count when possible
+    splits = min(nvb, _cdiv(want, step) * step)
+    vb_per_split = _cdiv(nvb, splits)
+    splits = _cdiv(nvb, vb_per_split)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    m_part = torch.empty((splits, N), **f32)
+    s_part = torch.empty((splits, N), **f32)
+    tz_part = torch.empty((splits, N), **f32)
+    smooth = label_smoothing > 0.0
+    zs_part = torch.empty((splits, N), **f32) if smooth else m_part
+    lse_forward_kernel[(num_tb * splits,)](
+        x, weight, bias if bias is not None else x, target, m_part, s_part, tz_part, zs_part,
+        N, V, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, float(softcap), vb_per_split, num_tb, splits,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.fwd_group_m, EVEN_K=D % BK == 0,
+        DOT_PRECISION=dot_precision(x.dtype), HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap > 0.0, HAS_SMOOTH=smooth,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )
+    record(CCEStats(phase="forward", path="triton"))
+    return _combine_lse(m_part, s_part), tz_part.sum(0), zs_part.sum(0) if smooth else None
+
+
+def _combine_lse(m_part: torch.Tensor, s_part: torch.Tensor) -> torch.Tensor:
+    m = m_part.amax(0)
+    w = torch.where(m_part == float("-inf"), torch.zeros_like(m_part), torch.exp(m_part - m))
+    return m + torch.log((s_part * w).sum(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks of tokens with library GEMMs (the chunked path, and the torch reference)
+# ---------------------------------------------------------------------------------------------
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b possibly half precision, without a half partial."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+    else:
+        acc += torch.mm(a, b).to(acc.dtype)
+
+
+def _rows_torch(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_smoothing):
+    """The torch step of a chunk: (nll, lse, target logit) of the rows of raw logits ``z`` in the
+    compute dtype and, with ``coefs``, their gradient written over ``z``."""
+    zc = softcap * torch.tanh(z / softcap) if softcap > 0.0 else z
+    nll = torch.nn.functional.cross_entropy(zc, t, ignore_index=ignore_index,
+                                            label_smoothing=label_smoothing, reduction="none")
+    lse = torch.logsumexp(zc, 1)
+    valid = t != ignore_index
+    tz = torch.where(valid, zc.gather(1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
+    if coefs is not None:
+        g = torch.softmax(zc, 1) * coefs.pcoef.to(z.dtype)[:, None] - coefs.scoef.to(z.dtype)[:, None]
+        g.scatter_add_(1, torch.where(valid, t, 0)[:, None], -coefs.tcoef.to(z.dtype)[:, None])
+        if softcap > 0.0:
+            g = g * (1.0 - (zc / softcap) ** 2)
+        z.copy_(g)
+    return nll.float(), lse.float(), tz.float()
+
+
+def _rows_triton(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_smoothing, out):
+    cfg = current_tuning()
+    rows, V = z.shape
+    nll, lse, tz = out
+    pc = coefs.pcoef if coefs is not None else nll
+    logits_grad_rows_kernel[(rows,)](
+        z, t, pc, coefs.tcoef if coefs is not None else pc, coefs.scoef if coefs is not None else pc,
+        nll, lse, tz, V, z.stride(0), int(ignore_index), float(softcap), float(label_smoothing),
+        BLOCK_V=min(cfg.rows_block_v, _pow2(V)), HAS_SOFTCAP=softcap > 0.0,
+        HAS_SMOOTH=label_smoothing > 0.0, WRITE_GRAD=coefs is not None, num_warps=cfg.rows_warps)
+
+
+def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float, ignore_index: int,
+            label_smoothing: float, budget: int, *, triton: bool, need_dx: bool, need_dw: bool,
+            need_db: bool, phase: str):
+    """Loss terms and (with ``coefs``) gradients, a chunk of tokens at a time.
+
+    Returns (nll, lse, target logit) fp32 [N] and dx, dw, db (None when not asked). With
+    ``triton`` the GEMMs run in the input dtype (fp32 accumulation inside each) and the rows kernel
+    does the softmax; otherwise everything runs in the compute dtype (the torch reference). The
+    logits chunk is ``rows x V`` (``chunk_plan``), overwritten by its gradient.
+    """
+    N, D = x.shape
+    V = weight.shape[0]
+    cdt = x.dtype if triton else compute_dtype(x)
+    w = weight.to(cdt)
+    b = bias.to(cdt) if bias is not None else None
+    elem = torch.finfo(cdt).bits // 8
+    rows, fp32_acc = chunk_plan(N, D, V, elem, budget, coefs is not None and need_dw)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    nll, lse, tz = (torch.empty((N,), **f32) for _ in range(3))
+    grads = coefs is not None
+    dx = torch.empty((N, D), device=x.device, dtype=x.dtype) if grads and need_dx else None
+    dw_acc = (torch.zeros((V, D), device=x.device, dtype=torch.float32 if fp32_acc else cdt)
+              if grads and need_dw else None)
+    db_acc = torch.zeros((V,), **f32) if grads and need_db else None
+    zbuf = torch.empty((min(rows, N), V), device=x.device, dtype=cdt)
+    for i in range(0, N, rows):
+        j = min(i + rows, N)
+        xc = x[i:j].to(cdt)
+        z = zbuf[: j - i]
+        if b is not None:
+            torch.addmm(b, xc, w.t(), out=z)
+        else:
+            torch.mm(xc, w.t(), out=z)
+        part = GradCoefs(coefs.pcoef[i:j], coefs.tcoef[i:j], coefs.scoef[i:j]) if grads else None
+        if triton:
+            _rows_triton(z, target[i:j], part, softcap, ignore_index, label_smoothing,
+                         (nll[i:j], lse[i:j], tz[i:j]))
+        else:
+            nll[i:j], lse[i:j], tz[i:j] = _rows_torch(z, target[i:j], part, softcap, ignore_index,
+                                                      label_smoothing)
+        if dx is not None:
+            if cdt == x.dtype:
+                torch.mm(z, w, out=dx[i:j])
+            else:
+                dx[i:j] = torch.mm(z, w)
+        if dw_acc is not None:
+            addmm_f32_(dw_acc, z.t(), xc)
+        if db_acc is not None:
+            db_acc += z.sum(0, dtype=torch.float32)
+    record(CCEStats(phase=phase, path="chunked" if triton else "torch", chunks=_cdiv(N, rows)))
+    dw = dw_acc.to(weight.dtype) if dw_acc is not None else None
+    db = db_acc.to(bias.dtype) if db_acc is not None else None
+    return nll, lse, tz, dx, dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# Recompute backward over Triton tiles: sparse rounds, static vocabulary chunks, fused kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _vocab_order(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Vocabulary positions by decreasing mean logit: sum_i z_iv = W_v . sum_i x_i + N b_v."""
+    xsum = x.sum(0, dtype=torch.float32)
+    key = torch.mv(weight, xsum.to(weight.dtype)).float()
+    if bias is not None:
+        key = key + x.shape[0] * bias.float()
+    key = torch.nan_to_num(key, nan=0.0)
+    return torch.argsort(key, descending=True, stable=True).to(torch.int32)
+
+
+def _weighted_row_sum(coef: torch.Tensor, x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """sum_i coef_i * x_i in fp32, a few thousand rows at a time (no [N, D] fp32 copy)."""
+    out = torch.zeros((x.shape[1],), device=x.device, dtype=torch.float32)
+    for i in range(0, x.shape[0], chunk):
+        out += coef[i:i + chunk] @ x[i:i + chunk].float()
+    return out
+
+
+class _Backward:
+    """State shared by the recompute paths of one backward call: the inputs, the per-token
+    coefficients and target positions, the rank-one smoothing terms and the outputs."""
+
+    def __init__(self, x, weight, target, bias, lse, tz, coefs: GradCoefs, softcap, label_smoothing,
+                 filter_eps, budget, need_dx, need_dw, need_db, order: bool):
+        self.x, self.weight, self.bias, self.lse = x, weight, bias, lse
+        self.cfg = _tuning(x)
+        self.N, self.D = x.shape
+        self.V = weight.shape[0]
+        self.softcap, self.filter_eps, self.budget = softcap, filter_eps, budget
+        self.need_dx, self.need_dw, self.need_db = need_dx, need_dw, need_db
+        self.pcoef, self.scoef = coefs.pcoef, coefs.scoef
+        # the tile kernels take softcap' at the target inside tcoef
+        self.tcoef = (coefs.tcoef * (1.0 - (tz / softcap) ** 2) if softcap > 0.0 else coefs.tcoef).contiguous()
+        self.smooth_in_tile = label_smoothing > 0.0 and softcap > 0.0  # not rank-one then
+        self.smooth_vec = label_smoothing > 0.0 and not self.smooth_in_tile
+        self.gdtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+        self.order = _vocab_order(x, weight, bias) if order else None
+        self._targets(target)
+        self._smoothing_terms()
+        dev = x.device
+        self.dx = torch.empty((self.N, self.D), device=dev, dtype=x.dtype) if need_dx else None
+        self.dw = torch.empty((self.V, self.D), device=dev, dtype=weight.dtype) if need_dw else None
+        self.db = torch.empty((self.V,), device=dev, dtype=bias.dtype) if need_db else None
+
+    def _targets(self, target: torch.Tensor) -> None:
+        """Target ids with ignored rows at 0, and each target's visiting position (V if ignored)."""
+        valid = self.tcoef != 0
+        self.tgt_safe = torch.where(valid, target, torch.zeros_like(target))
+        if self.order is not None:
+            i32 = dict(device=target.device, dtype=torch.int32)
+            inv = torch.empty((self.V,), **i32)
+            inv[self.order.long()] = torch.arange(self.V, **i32)
+            tpos = inv[self.tgt_safe]
+        else:
+            tpos = self.tgt_safe.to(torch.int32)
+        self.tpos = torch.where(valid, tpos, torch.full_like(tpos, self.V)).contiguous()
+
+    def _smoothing_terms(self) -> None:
+        """Without softcap, label smoothing's gradient is rank-one: -scoef_i on every logit."""
+        vec = self.smooth_vec
+        self.wcolsum = self.weight.sum(0, dtype=torch.float32) if vec and self.need_dx else None
+        self.xsmooth = _weighted_row_sum(self.scoef, self.x) if vec and self.need_dw else None
+        self.bsmooth = self.scoef.sum().reshape(1) if vec and self.need_db else None
+
+    def strides(self) -> tuple:
+        b = self.bias
+        return (self.x.stride(0), self.x.stride(1), self.weight.stride(0), self.weight.stride(1),
+                b.stride(0) if b is not None else 0)
+
+    def tile_args(self, BM: int, BK: int, warps: int, stages: int) -> dict:
+        return dict(BLOCK_M=BM, BLOCK_K=BK, EVEN_K=self.D % BK == 0,
+                    DOT_PRECISION=dot_precision(self.x.dtype), HAS_BIAS=self.bias is not None,
+                    HAS_SOFTCAP=self.softcap > 0.0, SMOOTH_IN_TILE=self.smooth_in_tile,
+                    num_warps=warps, num_stages=stages)
+
+    def outputs(self):
+        return self.dx, self.dw, self.db
+
+
+def _sparse(bw: _Backward) -> None:
+    """Sparse rounds: kept tiles go to a bounded buffer and are reduced by the dx/dw kernels. When
+    two rounds in a row keep most tiles, or after ``dense_after_rounds`` rounds, the rest of the
+    vocabulary goes through static chunks. One host sync per round (never under capture)."""
+    cfg, x, weight = bw.cfg, bw.x, bw.weight
+    N, V, D = bw.N, bw.V, bw.D
+    BM, BN, BD, BT = cfg.bwd_block_m, cfg.bwd_block_n, cfg.cons_block_d, cfg.tgt_block
+    num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
+    elem = torch.finfo(bw.gdtype).bits // 8
+    dev = x.device
+    i32 = dict(device=dev, dtype=torch.int32)
+    capacity = max(num_tb, min(cfg.tile_budget_bytes, bw.budget) // (BM * BN * elem))
+    G = torch.empty((capacity, BM, BN), device=dev, dtype=bw.gdtype)
+    gcol = torch.empty((capacity, BN), device=dev, dtype=torch.float32)
+    slot_map = torch.empty((num_tb * nvb,), **i32)
+    counter = torch.zeros((1,), **i32)
+    if bw.need_dw or bw.need_db:  # tokens grouped by the vocabulary block of their target
+        toks = torch.argsort(bw.tpos, stable=True).to(torch.int32)
+        tok_pos = bw.tpos[toks.long()].contiguous()
+        tok_ptr = torch.searchsorted(tok_pos, torch.arange(nvb + 1, **i32) * BN).to(torch.int32)
+    cons = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, HAS_ORDER=True,
+                num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
+    tiles = dict(bw.tile_args(BM, cfg.bwd_block_k, cfg.bwd_warps, cfg.bwd_stages), GROUP_V=cfg.group_v)
+    bias_arg = bw.bias if bw.bias is not None else x
+    dummy = bw.lse
+    rounds = kept_total = vb_start = dense_streak = 0
+    while vb_start < nvb:
+        nvr = nvb - vb_start
+        counter.zero_()
+        grad_sparse_kernel[(num_tb * nvr,)](
+            x, weight, bias_arg, bw.order, bw.lse, bw.pcoef, dummy, G, gcol, slot_map, counter,
+            N, V, D, *bw.strides(), float(bw.softcap), float(bw.filter_eps),
+            capacity, vb_start * BN, nvr, num_tb, BLOCK_N=BN, HAS_ORDER=True, **tiles)
+        sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
+        unresolved = (sm == -2).any(0)
+        done_t = torch.where(unresolved.any(), unresolved.int().argmax(), nvr)
+        kept_cum = torch.cumsum((sm >= 0).sum(0), 0)
+        done, n_kept = torch.stack(  # the one host sync of a round
+            [done_t, torch.where(done_t > 0, kept_cum[(done_t - 1).clamp_min(0)], 0)]).tolist()
+        if done == 0:  # not even one block column fitted: the rest goes static
+            break
+        rounds += 1
+        kept_total += n_kept
+        kept = sm[:, :done] >= 0
+        if bw.need_dx:
+            # kept tiles first, in row-major (token block, vocabulary block) order
+            rm = torch.argsort((~kept).view(-1).to(torch.int8), stable=True)
+            row_ptr = torch.zeros((num_tb + 1,), **i32)
+            row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
+            dx_sparse_kernel[(num_tb, _cdiv(D, BD))](
+                G, weight, bw.order, row_ptr, (rm % done).to(torch.int32), sm[:, :done].reshape(-1)[rm],
+                bw.tgt_safe, bw.tpos, bw.tcoef, bw.scoef,
+                bw.wcolsum if bw.wcolsum is not None else dummy, bw.dx,
+                N, V, D, weight.stride(0), weight.stride(1), bw.dx.stride(0), bw.dx.stride(1),
+                vb_start, vb_start * BN, (vb_start + done) * BN,
+                SMOOTH_TERMS=bw.smooth_vec and rounds == 1, LOAD_PREV=rounds > 1, **cons)
+        if bw.need_dw or bw.need_db:
+            kept_t = kept.t().contiguous()
+            cm = torch.argsort((~kept_t).view(-1).to(torch.int8), stable=True)
+            col_ptr = torch.zeros((done + 1,), **i32)
+            col_ptr[1:] = torch.cumsum(kept_t.sum(1), 0)
+            dw, db = bw.dw, bw.db
+            dw_sparse_kernel[(done, _cdiv(D, BD) if bw.need_dw else 1)](
+                G, gcol, x, bw.order, col_ptr, (cm % num_tb).to(torch.int32),
+                sm[:, :done].t().reshape(-1)[cm], tok_ptr, toks, tok_pos, bw.tcoef,
+                bw.xsmooth if bw.xsmooth is not None else dummy,
+                bw.bsmooth if bw.bsmooth is not None else dummy,
+                dw if dw is not None else G, db if db is not None else G,
+                N, V, D, x.stride(0), x.stride(1),
+                dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
+                db.stride(0) if db is not None else 0, vb_start,
+                BLOCK_T=BT, HAS_BIAS=bw.need_db, HAS_SMOOTH_VEC=bw.smooth_vec, HAS_DW=bw.need_dw,
+                TGT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cons)
+        vb_start += done
+        # Filtering does not pay when rounds keep most tiles: finish with static chunks. The
+        # first blocks (the most frequent words) are often dense, so one dense round is not
+        # enough to give up.
+        dense_streak = dense_streak + 1 if n_kept > cfg.dense_density * num_tb * done else 0
+        if dense_streak >= 2 or rounds >= cfg.dense_after_rounds:
+            break
+    del G, gcol
+    chunks = _static(bw, vb_start * BN, continuing=rounds > 0) if vb_start < nvb else 0
+    record(CCEStats(phase="backward", path="sparse", chunks=chunks, sparse_rounds=rounds,
+                    tiles=num_tb * nvb, kept_tiles=kept_total, sparse_blocks=vb_start))
+
+
+def _static(bw: _Backward, p0: int = 0, continuing: bool = False) -> int:
+    """Static chunks of the vocabulary from visiting position ``p0``: ``grad_dense_kernel`` writes
+    the whole gradient of a chunk, library GEMMs reduce it (dW rows written once, dX accumulated in
+    an fp32 buffer). The schedule depends on the shapes only. Returns the number of chunks."""
+    cfg, x, weight = bw.cfg, bw.x, bw.weight
+    N, V, D = bw.N, bw.V, bw.D
+    BM, BND = cfg.bwd_block_m, cfg.dense_block_n
+    num_tb = _cdiv(N, BM)
+    elem = torch.finfo(bw.gdtype).bits // 8
+    acc = None
+    if bw.need_dx:
+        if continuing:
+            acc = bw.dx.float()
+        else:
+            acc = torch.zeros((N, D), device=x.device, dtype=torch.float32)
+            if bw.smooth_vec:
+                acc.addr_(bw.scoef, bw.wcolsum, alpha=-1.0)
+    room = min(cfg.dense_budget_bytes, max(0, bw.budget - (4 * N * D if bw.need_dx else 0)))
+    width = max(BND, room // max(1, N * elem) // BND * BND)
+    width = min(width, _cdiv(V - p0, BND) * BND)
+    Gd = torch.empty((N, width), device=x.device, dtype=bw.gdtype)
+    tiles = dict(bw.tile_args(BM, cfg.bwd_block_k, cfg.bwd_warps, cfg.bwd_stages), GROUP_V=cfg.group_v)
+    order = bw.order
+    chunks = 0
+    for c0 in range(p0, V, width):
+        c1 = min(c0 + width, V)
+        nvr = _cdiv(c1 - c0, BND)
+        chunks += 1
+        grad_dense_kernel[(num_tb * nvr,)](
+            x, weight, bw.bias if bw.bias is not None else x, order if order is not None else bw.tpos,
+            bw.lse, bw.pcoef, bw.scoef, bw.tpos, bw.tcoef, Gd,
+            N, V, D, *bw.strides(), float(bw.softcap), c0, nvr, num_tb, width,
+            BLOCK_N=BND, HAS_ORDER=order is not None, **tiles)
+        _reduce_chunk(bw, Gd[:, : c1 - c0], c0, c1, acc)
+    if acc is not None:
+        bw.dx.copy_(acc)
+    return chunks
+
+
+def _reduce_chunk(bw: _Backward, gc: torch.Tensor, c0: int, c1: int, acc: Optional[torch.Tensor]) -> None:
+    """dX += G_c W_c, dW[c] = G_c^T x (minus smoothing), dB[c] = column sums, for one chunk."""
+    cols = bw.order[c0:c1].long() if bw.order is not None else None
+    if acc is not None:
+        wc = bw.weight.index_select(0, cols) if cols is not None else bw.weight[c0:c1]
+        addmm_f32_(acc, gc, wc)
+    if bw.need_dw:
+        part = torch.mm(gc.t(), bw.x, out=bw.dw[c0:c1]) if cols is None else torch.mm(gc.t(), bw.x)
+        if bw.smooth_vec:
+            part -= bw.xsmooth
+        if cols is not None:
+            bw.dw.index_copy_(0, cols, part)
+    if bw.need_db:
+        part = gc.sum(0, dtype=torch.float32)
+        if bw.smooth_vec:
+            part = part - bw.bsmooth
+        if cols is None:
+            bw.db[c0:c1] = part
+        else:
+            bw.db.index_copy_(0, cols, part.to(bw.db.dtype))
+
+
+def _fused(bw: _Backward) -> None:
+    """dX by token block (vocabulary split across programs, fp32 partials summed on the host) and
+    dW/dB by vocabulary block, each recomputing the tiles it needs: nothing gradient-sized is
+    written, no atomics, a schedule fixed by the shapes. Fast for small D; larger D is split into
+    chunks of ``fused_max_d`` columns, each recomputing the tiles."""
+    cfg, x, weight = bw.cfg, bw.x, bw.weight
+    N, V, D = bw.N, bw.V, bw.D
+    BM, BN = cfg.fused_block_m, cfg.fused_block_n
+    BD = min(_pow2(D), _pow2(cfg.fused_max_d))
+    num_tb, nvb, nd = _cdiv(N, BM), _cdiv(V, BN), _cdiv(D, BD)
+    tiles = bw.tile_args(BM, cfg.bwd_block_k, cfg.fused_warps, 1)
+    bias_arg = bw.bias if bw.bias is not None else x
+    common = (x, weight, bias_arg, bw.lse, bw.pcoef, bw.scoef, bw.tpos, bw.tcoef)
+    if bw.need_dx:
+        splits = max(1, min(nvb, _cdiv(2 * _num_sms(x.device), num_tb * nd)))
+        per_split = _cdiv(nvb, splits)
+        splits = _cdiv(nvb, per_split)
+        part = torch.empty((splits, N, D), device=x.device, dtype=torch.float32)
+        dx_fused_kernel[(num_tb, splits, nd)](
+            *common, part, N, V, D, *bw.strides(), float(bw.softcap), per_split,
+            BLOCK_N=BN, BLOCK_D=BD, **tiles)
+        dxf = part.sum(0)
+        if bw.smooth_vec:
+            dxf.addr_(bw.scoef, bw.wcolsum, alpha=-1.0)
+        bw.dx.copy_(dxf)
+    if bw.need_dw or bw.need_db:
+        dbf = torch.empty((V,), device=x.device, dtype=torch.float32) if bw.need_db else bw.lse
+        dw = bw.dw if bw.need_dw else dbf
+        dw_fused_kernel[(nvb, nd if bw.need_dw else 1)](
+            *common, bw.xsmooth if bw.xsmooth is not None else bw.lse, dw, dbf,
+            N, V, D, *bw.strides(), float(bw.softcap),
+            dw.stride(0) if bw.need_dw else 0, dw.stride(1) if bw.need_dw else 0,
+            BLOCK_N=BN, BLOCK_D=BD, HAS_SMOOTH_VEC=bw.smooth_vec, HAS_DW=bw.need_dw,
+            HAS_DB=bw.need_db, **tiles)
+        if bw.need_db:
+            bw.db.copy_(dbf - bw.bsmooth if bw.smooth_vec else dbf)
+    record(CCEStats(phase="backward", path="fused"))
+
+
+def recompute_backward(path: str, x, weight, target, bias, lse, tz, coefs: GradCoefs, softcap: float,
+                       label_smoothing: float, filter_eps: float, budget: int,
+                       need_dx: bool, need_dw: bool, need_db: bool):
+    """(dx, dw, db) by one of the Triton recompute paths: "sparse", "static" or "fused"."""
+    bw = _Backward(x, weight, target, bias, lse, tz, coefs, softcap, label_smoothing, filter_eps,
+                   budget, need_dx, need_dw, need_db, order=path == "sparse")
+    if path == "sparse":
+        _sparse(bw)
+    elif path == "fused":
+        _fused(bw)
+    else:
+        chunks = _static(bw)
+        record(CCEStats(phase="backward", path="static", chunks=chunks))
+    return bw.outputs()

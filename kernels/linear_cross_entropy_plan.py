@@ -1,0 +1,353 @@
+"""How ``comera::linear_cross_entropy`` runs: its paths, the cost model that picks one per shape,
+the memory budget, and the public tuning and statistics interfaces.
+
+Paths (every one matches ``F.cross_entropy`` over the logits; "filtered" may drop gradient tiles
+whose softmax stays below ``filter_eps``, only the sparse path does):
+
+* ``"chunked"``: the gradient is formed in the forward, a chunk of tokens at a time: logits chunk
+  ``x_c W^T`` by a library GEMM, loss and gradient rows by a Triton kernel (in place),
+  ``dX_c = G_c W`` and ``dW += G_c^T x_c`` by library GEMMs. Three GEMMs, no recompute, the exact
+  gradient, memory bounded by the chunk; the backward only scales by ``grad_output``. Only for
+  reduction "mean"/"sum" and when the lse is not differentiated.
+* ``"sparse"``: the backward recomputes the logits tiles and keeps the ones above the filter in a
+  bounded buffer (rounds, one host sync each). Filtered only, never under CUDA-graph capture.
+* ``"static"``: the backward recomputes the gradient of whole vocabulary chunks and reduces them
+  with library GEMMs; a schedule fixed by the shapes (capture-safe), exact.
+* ``"fused"``: the backward recomputes the tiles inside kernels that own their output rows (dX by
+  token block, dW by vocabulary block); nothing gradient-sized is written. For small hidden sizes
+  (the rank-r activations of a tensor-train head), exact and capture-safe.
+
+``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of
+:class:`DeviceRates`); ``fused_loss_pays`` says whether the best path is expected to beat the
+unfused ``linear`` + ``cross_entropy`` under Inductor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    "BACKWARDS", "PATHS", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "H200",
+    "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "default_filter_eps",
+    "default_memory_budget", "estimate_seconds", "fused_loss_pays", "record", "record_cce_stats",
+]
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKWARDS = ("filtered", "exact")
+PATHS = ("chunked", "sparse", "static", "fused")
+STRATEGIES = ("auto",) + PATHS
+MIB = 1 << 20
+
+
+def default_filter_eps(dtype: torch.dtype) -> float:
+    """CCE's threshold: the dtype's machine epsilon / 32 (2**-12 for bf16)."""
+    return torch.finfo(dtype).eps / 32
+
+
+def default_memory_budget(n_tokens: int, vocab: int) -> int:
+    """The working memory the op may use by default: 1/16 of the fp32 logits it replaces, at least
+    64 MiB (a chunk of tokens large enough for efficient GEMMs, small next to the logits)."""
+    return max(64 * MIB, n_tokens * vocab * 4 // 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning and statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CCETuning:
+    """Tile shapes, launch parameters and buffer caps of the Triton paths (defaults tuned on the
+    H200 for 2-byte inputs; fp32 inputs on a GPU get tiles that fit in shared memory).
+
+    Use :func:`cce_tuning` to change them for a block of code (tile sweeps, tests that make small
+    problems take every multi-tile path). Results never depend on them, only speed does.
+    """
+
+    fwd_block_m: int = 128
+    fwd_block_n: int = 256
+    fwd_block_k: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    fwd_group_m: int = 16
+    bwd_block_m: int = 128
+    bwd_block_n: int = 128
+    bwd_block_k: int = 64
+    bwd_warps: int = 8
+    bwd_stages: int = 3
+    group_v: int = 16
+    cons_block_d: int = 128
+    cons_warps: int = 8
+    cons_stages: int = 3
+    tgt_block: int = 16
+    tile_budget_bytes: int = 44 * MIB
+    dense_budget_bytes: int = 64 * MIB
+    dense_block_n: int = 256
+    dense_after_rounds: int = 4
+    dense_density: float = 0.3
+    fused_block_m: int = 64
+    fused_block_n: int = 64
+    fused_max_d: int = 128
+    fused_warps: int = 4
+    rows_block_v: int = 4096
+    rows_warps: int = 8
+
+    def fit(self, dtype: torch.dtype, on_gpu: bool, hidden: int) -> "CCETuning":
+        """Tiles for this dtype and hidden size.
+
+        The reduction dimension of the logits tiles never exceeds the hidden size rounded up to a
+        power of two (>= 16), so small D (tensor-train ranks) takes one K step. The defaults are
+        tuned for 2-byte inputs; 4-byte (fp32) tiles at the same shapes need up to ~390 KB of
+        shared memory (the H200 has 227 KB), so fp32 on a GPU gets tiles of a quarter of the size.
+        """
+        k = max(16, 1 << max(0, hidden - 1).bit_length())
+        cfg = dataclasses.replace(self, fwd_block_k=min(self.fwd_block_k, k),
+                                  bwd_block_k=min(self.bwd_block_k, k))
+        if not on_gpu or torch.finfo(dtype).bits <= 16:
+            return cfg
+        return dataclasses.replace(
+            cfg, fwd_block_m=min(cfg.fwd_block_m, 64), fwd_block_n=min(cfg.fwd_block_n, 128),
+            fwd_block_k=min(cfg.fwd_block_k, 32), fwd_stages=min(cfg.fwd_stages, 2),
+            bwd_block_m=min(cfg.bwd_block_m, 64), bwd_block_n=min(cfg.bwd_block_n, 64),
+            bwd_block_k=min(cfg.bwd_block_k, 32), bwd_stages=min(cfg.bwd_stages, 2),
+            cons_block_d=min(cfg.cons_block_d, 64), cons_stages=min(cfg.cons_stages, 2),
+            dense_block_n=min(cfg.dense_block_n, 128), fused_block_m=min(cfg.fused_block_m, 32),
+            fused_block_n=min(cfg.fused_block_n, 32))
+
+
+@dataclass
+class CCEStats:
+    """What one forward or backward call of the op did (see :func:`record_cce_stats`).
+
+    ``path``: "chunked", "sparse", "static", "fused", "triton" (forward-only logits tiles) or
+    "torch" (the reference). ``chunks``: token chunks (chunked, torch) or vocabulary chunks
+    (static, and the dense tail of sparse). ``tiles``/``kept_tiles``: gradient tiles in all and
+    kept by the sparse rounds; ``sparse_blocks``: vocabulary blocks the sparse rounds covered.
+    """
+
+    phase: str
+    path: str
+    chunks: int = 0
+    sparse_rounds: int = 0
+    tiles: int = 0
+    kept_tiles: int = 0
+    sparse_blocks: int = 0
+
+
+_LOCK = threading.Lock()
+_TUNING_STACK: list[CCETuning] = []
+_RECORDERS: list[list[CCEStats]] = []
+
+
+def _remove(stack: list, item) -> None:
+    """Remove ``item`` itself (not an equal one: two empty records lists are equal)."""
+    with _LOCK:
+        del stack[next(i for i, x in enumerate(stack) if x is item)]
+
+
+def current_tuning() -> CCETuning:
+    """The tuning in effect: the innermost :func:`cce_tuning` block, else the defaults."""
+    with _LOCK:
+        return _TUNING_STACK[-1] if _TUNING_STACK else CCETuning()
+
+
+@contextlib.contextmanager
+def cce_tuning(**fields) -> Iterator[CCETuning]:
+    """Run the block with some :class:`CCETuning` fields changed, e.g. ``cce_tuning(bwd_block_n=64)``.
+
+    The setting is process-wide while the block runs (the backward may run on autograd's device
+    thread, which a thread-local setting would not reach), so use it from one thread at a time.
+    """
+    valid = {f.name for f in dataclasses.fields(CCETuning)}
+    unknown = sorted(set(fields) - valid)
+    if unknown:
+        raise TypeError(f"cce_tuning: unknown field(s) {unknown}; valid fields: {sorted(valid)}")
+    tuning = dataclasses.replace(current_tuning(), **fields)
+    with _LOCK:
+        _TUNING_STACK.append(tuning)
+    try:
+        yield tuning
+    finally:
+        _remove(_TUNING_STACK, tuning)
+
+
+@contextlib.contextmanager
+def record_cce_stats() -> Iterator[list[CCEStats]]:
+    """Collect a :class:`CCEStats` for every forward and backward call of the op while the block
+    runs (from any thread); yields the list that fills up."""
+    records: list[CCEStats] = []
+    with _LOCK:
+        _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _remove(_RECORDERS, records)
+
+
+def record(stats: CCEStats) -> None:
+    """Hand ``stats`` to every active :func:`record_cce_stats` block (a no-op without one)."""
+    with _LOCK:
+        for records in _RECORDERS:
+            records.append(stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory budget and chunking
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_plan(n_tokens: int, hidden: int, vocab: int, elem: int, budget: int,
+               need_dw: bool) -> tuple[int, bool]:
+    """(rows per token chunk, whether dW accumulates in an fp32 buffer) for the chunked path.
+
+    The chunk of logits (``rows x vocab`` in the compute dtype, overwritten by its gradient) gets
+    the budget. dW accumulates across chunks in fp32 when an fp32 ``[vocab, hidden]`` buffer fits
+    in the budget beside a chunk of at least 64 rows; otherwise in the weight's dtype (each chunk's
+    product is summed in fp32 inside the GEMM, then rounded once per chunk).
+    """
+    row_bytes = max(1, vocab * elem)
+    acc_bytes = vocab * hidden * 4 if need_dw and elem < 4 else 0
+    fp32_acc = acc_bytes > 0 and acc_bytes + min(n_tokens, 64) * row_bytes <= budget
+    room = budget - (acc_bytes if fp32_acc else 0)
+    rows = max(1, min(n_tokens, room // row_bytes))
+    if 64 <= rows < n_tokens:
+        rows = rows // 64 * 64
+    return rows, fp32_acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """Throughputs the cost model assumes. The defaults are an H200 in bf16 (BENCHMARKS.md,
+    section 1): library GEMMs sustain ~690 TFLOP/s at LM-head shapes (790 peak; the figure that
+    reproduces the measured torch.compile times), this op's Triton logits tiles ~560 TFLOP/s,
+    HBM 4.3 TB/s."""
+
+    gemm_flops: float = 690e12
+    tile_flops: float = 560e12
+    softmax_elems: float = 2.5e12  # softmax entries per second in a tile kernel (exp + bookkeeping)
+    bandwidth: float = 4.3e12
+    launch_s: float = 5e-6
+    sync_s: float = 50e-6
+
+
+H200 = DeviceRates()
+_DEFAULTS = CCETuning()
+_TILE = 128 * 128  # entries per gradient tile of the sparse path
+
+
+def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
+    """Fraction of the sparse path's gradient tiles the filter keeps when the logits are N(0, 1)
+    (an untrained head: the softmax is flattest, the filter keeps the most). An entry is kept
+    when exp(z) / (V e^{1/2}) >= eps."""
+    if filter_eps <= 0.0:
+        return 1.0
+    threshold = math.log(filter_eps * vocab) + 0.5
+    q = 0.5 * math.erfc(threshold / math.sqrt(2.0))
+    return 1.0 - (1.0 - q) ** _TILE
+
+
+def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
+                     backward: str = "filtered", memory_budget: Optional[int] = None,
+                     filter_eps: Optional[float] = None, rates: DeviceRates = H200,
+                     training: bool = True) -> dict[str, float]:
+    """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
+    unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``)."""
+    N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
+    budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
+    tun = _DEFAULTS
+    F = 2.0 * N * D * V
+    L = float(N * V * elem)
+    bw, launch = rates.bandwidth, rates.launch_s
+    tile_pass = max(F / rates.tile_flops, N * V / rates.softmax_elems)
+    if not training:
+        return {"unfused": F / rates.gemm_flops + 2 * L / bw + 3 * launch,
+                "static": tile_pass + 4 * launch}
+    out = {"unfused": 3 * F / rates.gemm_flops + 4 * L / bw + 6 * launch}
+    rows, fp32_acc = chunk_plan(N, D, V, elem, budget, True)
+    chunks = math.ceil(N / rows)
+    rmw = (chunks - 1) * 2 * V * D * (4 if fp32_acc else elem) / bw
+    out["chunked"] = 3 * F / rates.gemm_flops + 3 * L / bw + rmw + (5 * chunks + 10) * launch
+    width = max(tun.dense_block_n, min(tun.dense_budget_bytes, budget) // max(1, N * elem))
+    vchunks = math.ceil(V / width)
+    out["static"] = (2 * tile_pass + 2 * F / rates.gemm_flops + L / bw
+                     + vchunks * (2 * N * D * 4 / bw + 4 * launch) + 10 * launch)
+    out["fused"] = (1 + 2 * math.ceil(D / tun.fused_max_d)) * tile_pass + 10 * launch
+    if backward == "filtered":
+        eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
+        kept = _flat_kept_fraction(V, eps)
+        if kept > tun.dense_density:  # two dense rounds, then the rest as static
+            out["sparse"] = out["static"] + 2 * rates.sync_s + 2 * tile_pass * tun.dense_density
+        else:
+            tiles = kept * (N * V / _TILE)
+            rounds = max(1, math.ceil(tiles * _TILE * elem / min(tun.tile_budget_bytes, budget)))
+            out["sparse"] = (2 * tile_pass + 2 * kept * F / rates.tile_flops + 3 * V * D * elem / bw
+                             + rounds * (rates.sync_s + 8 * launch) + 10 * launch)
+    return out
+
+
+def _allowed(costs: dict[str, float], dtype: torch.dtype, *, reduction: str, backward: str,
+             deterministic: bool, capture: bool, lse_grad: bool) -> dict[str, float]:
+    allowed = {p: c for p, c in costs.items() if p in PATHS}
+    # The chunked path stores the gradient before grad_output's scale is known: in fp16 the small
+    # entries a GradScaler would have kept underflow, so it is never the automatic choice there.
+    if reduction == "none" or lse_grad or dtype == torch.float16:
+        allowed.pop("chunked", None)
+    if backward != "filtered" or deterministic or capture:
+        allowed.pop("sparse", None)
+    return allowed
+
+
+def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
+                    reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
+                    memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
+                    capture: bool = False, lse_grad: bool = False,
+                    rates: DeviceRates = H200) -> str:
+    """The fastest path for a training step by the cost model, among those that apply.
+
+    ``capture``: the step runs under CUDA graphs (no sparse rounds); ``lse_grad``: the caller may
+    differentiate the lse (no chunked path). ``n_tokens`` may be a size hint.
+    """
+    costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
+                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates)
+    allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
+                       capture=capture, lse_grad=lse_grad)
+    return min(allowed, key=allowed.get)
+
+
+def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device_type: str,
+                    *, reduction: str = "mean", backward: str = "filtered",
+                    deterministic: bool = False, memory_budget: Optional[int] = None,
+                    filter_eps: Optional[float] = None, capture: bool = False,
+                    training: bool = True, rates: DeviceRates = H200) -> tuple[bool, str]:
+    """Whether the fused loss is not expected to make the step slower than the unfused
+    ``linear`` + ``cross_entropy`` under Inductor; ``(False, reason)`` when it is.
+
+    The estimate is the cost model's (:func:`estimate_seconds`), the same rule on every device:
+    small vocabularies lose on launches, mid-size hidden sizes with flat logits lose on the
+    recompute, large heads with a budget for big chunks or a filter that skips tiles pay.
+    """
+    del device_type  # one rule for every device: the one the GPU run measured
+    costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
+                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
+                             training=training)
+    allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
+                       capture=capture, lse_grad=False)
+    best = min(allowed, key=allowed.get)
+    if allowed[best] <= costs["unfused"]:
+        return True, ""
+    return False, (f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
+                   f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy under Inductor "
+                   f"(N={n_tokens}, D={hidden}, V={vocab}, {str(dtype).replace('torch.', '')})")
