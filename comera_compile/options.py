@@ -39,6 +39,9 @@ class CompileOptions:
         cce_min_vocab: fuse the LM head only when the vocabulary has at least this many entries.
             ``None`` (default): the fused op's cost rule decides (small vocabularies, e.g. a
             3-class classifier head, are left alone); ``0`` fuses every head.
+        cce_memory_budget: bytes of working memory the fused loss may use beyond its inputs and
+            gradients; ``None`` (default): 1/16 of the fp32 logits it replaces, at least 64 MiB.
+            More memory buys larger chunks (faster); the path is chosen within the budget.
         inductor_config: extra Inductor config patches, passed through unchanged.
     """
 
@@ -51,6 +54,7 @@ class CompileOptions:
     cce_filter_eps: float | None = None
     cce_deterministic: bool = False
     cce_min_vocab: int | None = None
+    cce_memory_budget: int | None = None
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,6 +70,10 @@ class CompileOptions:
             _check_type("cce_min_vocab", self.cce_min_vocab, int, "an int or None")
             if self.cce_min_vocab < 0:
                 raise OptionsError(f"option 'cce_min_vocab' must be >= 0; got {self.cce_min_vocab}")
+        if self.cce_memory_budget is not None:
+            _check_type("cce_memory_budget", self.cce_memory_budget, int, "a byte count (int) or None")
+            if self.cce_memory_budget < 0:
+                raise OptionsError(f"option 'cce_memory_budget' must be >= 0 bytes; got {self.cce_memory_budget}")
         _check_type("passes", self.passes, Mapping, "a dict of pass name -> bool")
         for key, value in self.passes.items():
             if not isinstance(key, str) or not isinstance(value, bool):
