@@ -11,8 +11,9 @@ from torch.utils._pytree import tree_map
 
 _PREFIX = re.compile(r"^[LG]\['[^']*'\]\.?")  # the local or global the model was reached through
 _BRACKET = re.compile(r"\.?_modules\['([^']*)'\]|\['([^']*)'\]")
-# Attributes through which wrappers hold the user's module: torch.compile, activation checkpointing, FSDP1.
-_WRAPPER_ATTRS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+# Attributes through which wrappers hold the user's module: torch.compile, activation checkpointing,
+# FSDP1, and a bound method's module (a wrapper that calls ``model.forward``).
+_WRAPPER_ATTRS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "__self__"}
 # Ops a loss input goes through between the projection and the loss (reshapes, upcast, row slices,
 # log_softmax, soft-capping): walking back over them finds where the logits come from.
 _LOGITS_CHAIN = {"view", "reshape", "flatten", "contiguous", "float", "to", "getitem", "log_softmax",
@@ -28,7 +29,8 @@ def clean_module_name(name: str) -> str:
 
     ``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` / ``"G['model'].lm_head"`` ->
     ``"layers.0.mlp"`` / ``"h"`` / ``"lm_head"``; wrapper attributes (``_orig_mod`` of a compiled
-    submodule, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``) are dropped.
+    submodule, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``, a bound method's
+    ``__self__``) are dropped.
     """
     name = _PREFIX.sub("", name)
     name = _BRACKET.sub(lambda m: "." + (m.group(1) or m.group(2)), name)

@@ -1,0 +1,100 @@
+"""Hugging Face ``transformers`` models as they are trained: ``model(input_ids, labels=labels).loss``.
+
+A transformers model returns its logits next to the loss, so in the graph the LM head's output has
+a second user (the returned ``logits``) and the ``cce`` pass must leave the head alone: fusing would
+compute the logits anyway. :func:`fused_loss` makes the model drop the logits in training, as
+Liger-Kernel and Cut-Cross-Entropy do, so that Dynamo's graph no longer returns them and the head +
+cross-entropy becomes one fused op. Nothing here imports transformers: the helpers work on any
+module whose output is a ``ModelOutput``-like mapping (or a ``(loss, logits, ...)`` tuple).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["fused_loss"]
+
+_ORIGINAL = "_comera_fused_loss_original_forward"
+_PINNED = "_comera_fused_loss_pinned"
+
+
+def _root(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)  # a torch.compile'd module
+
+
+def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make ``model(..., labels=...)`` drop its logits in training, so the loss gets fused.
+
+    While ``model.training`` and grad mode are on and the call computes a loss (``labels=`` given),
+    the output's ``logits`` is ``None`` (a ``ModelOutput`` of the same type without logits, or
+    ``(loss, None, ...)`` with ``return_dict=False``). Under ``torch.compile(model,
+    backend="comera")`` the LM head and its cross-entropy then become one
+    ``comera::linear_cross_entropy`` that never forms the logits. Evaluation (``model.eval()`` or
+    ``torch.no_grad()``) and calls without labels return the logits as usual. Everything the loss
+    function takes is passed through, e.g. ``num_items_in_batch`` for gradient accumulation.
+
+    It also resolves the model's ``loss_function`` once (transformers logs a warning from inside
+    it when the model class does not name its loss type, GPT-2 for one, and that logging call is a
+    graph break that would put the loss in a graph of its own).
+
+    Works before or after ``torch.compile`` (a compiled module is unwrapped); ``enabled=False``
+    restores the original forward. Returns ``model``.
+    """
+    root = _root(model)
+    if not isinstance(root, nn.Module):
+        raise TypeError(f"fused_loss: expected an nn.Module, got {type(model).__name__}")
+    if enabled and _ORIGINAL not in root.__dict__:
+        original = root.forward
+        root.__dict__[_ORIGINAL] = original
+        root.forward = _dropping_forward(root, original)
+        _pin_loss_function(root)
+    elif not enabled and _ORIGINAL in root.__dict__:
+        del root.__dict__[_ORIGINAL]
+        del root.forward
+        if root.__dict__.pop(_PINNED, False):
+            del root._loss_function
+    return model
+
+
+def _dropping_forward(root: nn.Module, original: Any) -> Any:
+    @functools.wraps(original)  # keeps the signature (transformers' Trainer reads it)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        if root.training and torch.is_grad_enabled():
+            return without_logits(output, kwargs.get("labels") is not None)
+        return output
+
+    return forward
+
+
+def without_logits(output: Any, has_loss: bool = True) -> Any:
+    """``output`` with its logits set to ``None`` when it carries a loss; anything else unchanged.
+
+    A ``ModelOutput`` is rebuilt as the same type from its other fields (setting the attribute to
+    None would keep the logits in its dict, and so in the compiled graph's outputs).
+    """
+    if isinstance(output, Mapping):
+        if output.get("loss") is None or output.get("logits") is None:
+            return output
+        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+    if isinstance(output, tuple) and has_loss and len(output) >= 2:
+        return (output[0], None, *output[2:])
+    return output
+
+
+def _pin_loss_function(root: nn.Module) -> None:
+    """Store the loss function transformers' ``loss_function`` property resolves to, so that the
+    property (and its warning) is not evaluated inside the compiled forward."""
+    if "_loss_function" in root.__dict__ or not isinstance(getattr(type(root), "loss_function", None), property):
+        return
+    try:
+        resolved = root.loss_function
+        root.loss_function = resolved
+    except (AttributeError, KeyError):
+        return
+    root.__dict__[_PINNED] = True

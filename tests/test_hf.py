@@ -1,0 +1,185 @@
+"""Hugging Face transformers models as users train them (comera_compile/hf.py, tensorize_ on them).
+
+Tiny configs built locally (no downloads), dropout off so eager and compiled runs see the same
+function. Skipped when transformers is not installed (``pip install -e ".[hf]"``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import comera_compile as cc
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, D = 96, 32
+MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt2", "bert")
+# aot_eager keeps each compile short; cce_min_vocab=0 fuses even at this tiny vocabulary, and the
+# exact backward makes the fused gradients comparable to eager at fp32 tolerances.
+OPTIONS = {"inner": "aot_eager", "cce_min_vocab": 0, "cce_backward": "exact"}
+
+
+def make_model(name: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
+    """A one-layer model of the family ``name``, in training mode."""
+    t = transformers
+    decoder = dict(vocab_size=vocab, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    configs = {
+        "llama": lambda: t.LlamaConfig(**decoder),
+        "qwen2": lambda: t.Qwen2Config(**decoder),
+        "mistral": lambda: t.MistralConfig(**decoder),
+        "gemma2": lambda: t.Gemma2Config(**decoder, head_dim=16, final_logit_softcapping=30.0),
+        "gpt2": lambda: t.GPT2Config(vocab_size=vocab, n_embd=D, n_layer=1, n_head=2, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0),
+        "bert": lambda: t.BertConfig(vocab_size=vocab, hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=2 * D, max_position_embeddings=64,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    }
+    torch.manual_seed(seed)
+    config = configs[name]()
+    model = t.BertForMaskedLM(config) if name == "bert" else t.AutoModelForCausalLM.from_config(config)
+    return model.train()
+
+
+def batch(name: str, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels with ignored (-100) positions; MLM labels only at "masked" positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+    labels = ids.clone()
+    keep = torch.rand(ids.shape, generator=g) < (0.3 if name == "bert" else 0.8)
+    labels[~keep] = -100
+    return ids, labels
+
+
+def eager_loss_and_grads(model, ids, labels, **kwargs):
+    out = model(ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got: dict, want: dict, rtol=1e-4, atol=1e-5):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The labels path: model(input_ids, labels=labels).loss gets the fused loss
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_labels_path_is_fused_and_matches_eager(name):
+    ids, labels = batch(name)
+    reference = make_model(name)
+    want_loss, want_grads = eager_loss_and_grads(reference, ids, labels)
+
+    model = cc.hf.fused_loss(make_model(name))
+    report = cc.explain(model, ids, labels=labels, options=OPTIONS)
+    head = "cls.predictions.decoder" if name == "bert" else "lm_head"
+    assert [(r.kind, r.module) for r in report.rewrites] == [("cce", head)], str(report)
+    assert len(report.graph_reports) == 1  # no graph break between the head and the loss (GPT-2)
+    if name == "gemma2":
+        assert "softcap=30" in report.rewrites[0].detail
+    out = report.output
+    assert out.logits is None and "logits" not in out.keys()
+    torch.testing.assert_close(out.loss, want_loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    assert_same_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want_grads)
+
+
+def test_without_the_opt_in_the_logits_keep_the_head_unfused():
+    ids, labels = batch("llama")
+    report = cc.explain(make_model("llama"), ids, labels=labels, options=OPTIONS)
+    assert report.rewrites == [] and report.output.logits is not None
+    (skip,) = [s for s in report.skipped if s.kind == "cce"]
+    assert "other users" in skip.reason
+
+
+def test_num_items_in_batch_is_honoured():
+    """Gradient accumulation: transformers sums the loss and divides by num_items_in_batch."""
+    ids, labels = batch("llama")
+    n_items = torch.tensor(3 * int((labels != -100).sum()))
+    want_loss, want_grads = eager_loss_and_grads(make_model("llama"), ids, labels, num_items_in_batch=n_items)
+    model = cc.hf.fused_loss(make_model("llama"))
+    report = cc.explain(model, ids, labels=labels, num_items_in_batch=n_items, options=OPTIONS)
+    (rewrite,) = report.rewrites
+    assert rewrite.kind == "cce" and "reduction=sum" in rewrite.detail
+    torch.testing.assert_close(report.output.loss, want_loss, rtol=1e-5, atol=1e-6)
+    report.output.loss.backward()
+    assert_same_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want_grads)
+
+
+def test_logits_stay_in_eval_without_labels_and_after_disabling():
+    ids, labels = batch("qwen2")
+    model = cc.hf.fused_loss(make_model("qwen2"))
+    assert model(ids, labels=labels).logits is None
+    with torch.no_grad():
+        assert model(ids, labels=labels).logits is not None
+    assert model(ids).logits is not None and model(ids).loss is None
+    model.eval()
+    assert model(ids, labels=labels).logits is not None
+    model.train()
+    loss, logits = model(ids, labels=labels, return_dict=False)[:2]
+    assert logits is None and loss.dim() == 0
+    assert "labels" in __import__("inspect").signature(model.forward).parameters  # Trainer reads it
+    cc.hf.fused_loss(model, enabled=False)
+    assert "forward" not in model.__dict__ and model(ids, labels=labels).logits is not None
+    compiled = cc.hf.fused_loss(torch.compile(model, backend="eager"))  # a compiled model is unwrapped
+    assert model(ids, labels=labels).logits is None and compiled._orig_mod is model
+
+
+# ----------------------------------------------------------------------------------------------
+# tensorize_ on transformers models: GPT-2's Conv1D, tied embeddings
+# ----------------------------------------------------------------------------------------------
+
+
+def test_gpt2_conv1d_is_tensorized_and_compresses():
+    from transformers.pytorch_utils import Conv1D
+
+    ids, labels = batch("gpt2")
+    model = make_model("gpt2")
+    cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0))
+    layers = {layer.fqn: layer for layer in cc.iter_tt_layers(model)}
+    convs = [f for f, m in model.named_modules() if isinstance(m, Conv1D)]
+    assert len(convs) == 4 and set(convs) <= set(layers)
+    c_fc = layers["transformer.h.0.mlp.c_fc"]
+    assert isinstance(c_fc.module, Conv1D) and not c_fc.spec.transpose and c_fc.spec.fmt == "tt"
+    assert (c_fc.spec.rows, c_fc.spec.cols) == (D, 4 * D) and c_fc.module.weight.shape == (D, 4 * D)
+    report = cc.compression_report(model)
+    assert report.ratio > 1.5
+    # The tied embedding/head pair is listed with the option to use.
+    reasons = {s.fqn: s.reason for s in report.skipped}
+    assert "tied='share'" in reasons["transformer.wte"] and "tied='share'" in reasons["lm_head"]
+    # The TT Conv1D computes x @ W + b with W = M [in, out]: a dense GPT-2 holding the same
+    # weights gives the same loss.
+    dense = make_model("gpt2", seed=1)
+    with torch.no_grad():
+        for layer in cc.iter_tt_layers(model):  # the Conv1Ds and the position embedding
+            dense.get_submodule(layer.fqn).weight.copy_(layer.module.weight)
+        for name, value in model.state_dict().items():
+            if "parametrizations" not in name:
+                dense.state_dict()[name].copy_(value)
+        torch.testing.assert_close(model(ids, labels=labels).loss, dense(ids, labels=labels).loss)
+
+
+def test_gpt2_tied_share_trains_one_tt_and_compiles():
+    ids, labels = batch("gpt2")
+    model = make_model("gpt2")
+    cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), tied="share")
+    layers = {layer.fqn: layer for layer in cc.iter_tt_layers(model)}
+    assert layers["transformer.wte"].shared_with == ("lm_head",) and "lm_head" not in layers
+    assert model.lm_head.weight.shape == (VOCAB, D)
+    eager = copy.deepcopy(model)
+    want_loss, want_grads = eager_loss_and_grads(eager, ids, labels)
+    assert any("wte.parametrizations.weight.0.cores" in n for n in want_grads)
+    compiled = torch.compile(cc.hf.fused_loss(model), backend="comera", options=OPTIONS)
+    out = compiled(ids, labels=labels)
+    torch.testing.assert_close(out.loss, want_loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    assert_same_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want_grads,
+                      rtol=1e-4, atol=1e-4)
