@@ -72,7 +72,11 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
 
         from comera_compile.cache import inductor_config_patches
 
+        from comera_compile.passes.tensor_network import MAX_GROUP
+
         patches = dict(opts.inductor_config)
+        # a TT layer group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
+        patches.setdefault("max_pointwise_cat_inputs", MAX_GROUP)
         if cudagraphs:
             patches["triton.cudagraphs"] = True
         if opts.max_autotune:

@@ -1,41 +1,35 @@
-"""Contraction planner for tensor-train nodes (``comera::tt_linear``, ``comera::tt_embedding``).
+"""Contraction planner for tensor-train layers: what the compiled graph computes, and why.
 
-A TT node is a tensor network (``tt_network``): a networkx multigraph whose nodes are tensors
-(the activation ``x``, the cores ``G1..Gd``, the output ``y``) and whose edges are indices carrying
-their sizes. Gates are absorbed into the core on their left before planning (an elementwise scale,
-token-independent), so the network is the chain of cores plus the activation.
+A TT layer is a tensor network (:func:`tt_network`): a networkx multigraph whose nodes are the cores
+``G1..Gd`` (and the activation ``x`` / output ``y``) and whose edges are indices with their sizes.
+For one call site (a token count, a dtype) the planner decides:
 
-A contraction order is a binary *contraction tree* over ``x`` and the cores. The planner builds
-candidate trees:
+1. **Where the chain is cut** into a left and a right half (bond ``split``) and the order in which
+   each half's cores are merged: opt_einsum's ``dp`` optimizer over the half's sub-network gives a
+   bracketing of the run of cores (:data:`Bracket`). This work is token-independent, and the compiled
+   graph runs it once per *group* of layers with the same structure, as batched GEMMs.
+2. **The token-sized strategy**, costed forward + backward:
 
-* ``split@k``: the cores left of bond k merged into one tensor, the cores right of it into another
-  (each half merged in its cheapest order: an interval dynamic programme over the chain), and the
-  token-sized work is two contractions (``(x·A)·B`` or ``(x·B)·A``). At the bond between
-  the row and the column cores of the ``"tt"`` format this is CoMERA's path: A = L [I, r],
-  B = R [r, O], forward ``(X L) R``, backward four token-sized GEMMs (dY Rᵀ, ·Lᵀ, T1ᵀ dY, Xᵀ U1),
-  every core gradient then token-independent.
-* opt_einsum paths over the whole network (``dp`` and ``greedy`` up to 6 cores, ``greedy`` and
-  ``branch-1`` beyond, to stay within the 15 ms plan budget), which may interleave ``x`` with
-  single cores;
-* ``dense`` (merge every core into the weight, then one GEMM), kept for comparison and chosen only
-  with ``allow_dense=True``: the compiled graph must never form the dense weight.
+   * linear ``"factored"``: ``(x·L)·R`` through the rank-r bond (the ``"tt"`` format cut between its
+     row and column modes, CoMERA's path): two skinny GEMMs forward, four backward, and the core
+     gradients are token-independent. Memory-bound: it moves the activations a few times.
+   * linear ``"dense"``: the weight ``L·R`` (permuted for ``"ttm"``), then one GEMM forward and two
+     backward, exactly like ``nn.Linear``, plus the weight's merge and its gradient's way back into the
+     halves. It bounds every layer near its dense time, and it is the only token-sized path for
+     ``"ttm"`` (whose halves form no low-rank product: cutting a TT-matrix leaves token-sized
+     intermediates ``r`` times larger than the activations).
+   * embedding ``"tables"``: the halves as gathered tables ``A[I_L, O_L, r]`` and ``B[I_R, O_R, r]``
+     (about the square root of the vocabulary each), one ``[O_L, r] x [r, O_R]`` product per lookup;
+     no vocabulary-sized tensor ever exists. ``"dense"``: the table ``[rows, cols]``, then a plain
+     lookup (its gradient is vocabulary-sized).
+3. **Costs** from :class:`DeviceModel` (an H200 by default, calibrated with
+   ``benchmarks/bench_tt.py --calibrate``): each GEMM takes ``max(FLOPs / rate, bytes / bandwidth)`` at the
+   rates cuBLAS reaches at such shapes, plus a launch (far cheaper inside a CUDA graph). The cheapest
+   strategy wins; :meth:`TTPlan.describe` prints every step, every candidate's estimate, and the FLOPs
+   of ``torch.einsum``'s default left-to-right path for comparison.
 
-Each tree is costed for the forward *and* the backward together: the backward of every pairwise
-contraction ``C = P·Q`` is the two contractions ``dP = dC·Q`` and ``dQ = P·dC``; intermediates that
-the backward needs are recomputed (the op returns only ``y``), except inside the fused Triton kernels,
-which keep the rank-sized intermediate on chip. Costs are FLOPs, bytes moved and kernel launches,
-folded into one time estimate ``Σ max(flops / 790 TFLOP/s, bytes / 4.3 TB/s) + launches · 3 µs``
-(H200, bf16); a tree whose forward FLOPs exceed 8x the best one's is not costed further. The plan
-is plain data: ``print(plan.describe())`` shows every step with its cost, the alternatives and the
-baselines; ``Plan.steps`` is what the ops execute (each pairwise step is one GEMM).
-
-Baseline ``torch.einsum`` default: a TT layer written as one ``torch.einsum(eq, x, G1, ..., Gd)``
-is contracted by torch left to right (operand 0 with 1, the result with operand 2, ...) when
-opt_einsum is not used (``torch.backends.opt_einsum.enabled = False`` or not installed). We cost that
-left-to-right path with opt_einsum's ``contract_path`` given the explicit pairwise path, times three
-for forward plus autograd backward (each pairwise product's backward is two products of the same
-FLOPs). ``Plan.baselines`` also records the fwd+bwd FLOPs of opt_einsum's ``greedy`` and ``auto``
-paths (``auto`` is what torch.einsum uses when opt_einsum is installed) for comparison.
+Plans are plain frozen dataclasses, cached on their (static) arguments; token counts may be
+``torch.SymInt`` s: the plan reads the size hint and never installs a guard.
 """
 
 from __future__ import annotations
@@ -44,21 +38,33 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import networkx as nx
 import opt_einsum as oe
 
-PEAK_FLOPS = 790e12  # measured bf16 GEMM rate on the H200 (ANCHORS.md)
-PEAK_BYTES = 4.3e12  # measured device-memory bandwidth on the H200
-LAUNCH_S = 3e-6  # one kernel launch (eager); CUDA graphs make it smaller
-MAX_FUSED_RANK = 128  # the fused Triton chain keeps a [BLOCK_M, r] tile in registers
+__all__ = [
+    "Bracket",
+    "DeviceModel",
+    "GemmStep",
+    "H200",
+    "TTPlan",
+    "bracket_cores",
+    "core_ranks",
+    "plan_tt_embedding",
+    "plan_tt_linear",
+    "size_hint",
+    "token_bucket",
+    "tt_network",
+]
+
+#: A merge order of a run of consecutive cores: a core index, or a pair of brackets merged last.
+Bracket = Union[int, tuple["Bracket", "Bracket"]]
 
 _ROW_SYMBOLS = "abcdefghijklm"
 _COL_SYMBOLS = "opqrstuvwxyz"
 _RANK_SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _TOKEN = "n"
-_ORDER = {s: i for i, s in enumerate(_TOKEN + _ROW_SYMBOLS + _COL_SYMBOLS + _RANK_SYMBOLS)}
 
 
 # ----------------------------------------------------------------------------- size hints
@@ -130,130 +136,182 @@ def _check(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: 
         raise ValueError(f"'ttm' needs as many row modes as column modes, got {row_modes} and {col_modes}")
     if len(ranks) != d + 1 or ranks[0] != 1 or ranks[-1] != 1:
         raise ValueError(f"ranks must have {d + 1} entries starting and ending with 1, got {list(ranks)}")
-    if len(row_modes) > len(_ROW_SYMBOLS) or len(col_modes) > len(_COL_SYMBOLS):
+    if len(row_modes) > len(_ROW_SYMBOLS) or len(col_modes) > len(_COL_SYMBOLS) or d > len(_RANK_SYMBOLS):
         raise ValueError("too many modes for the planner's index alphabet")
     return d
 
 
-def core_indices(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], d: int) -> list[str]:
-    """Index symbols of each core with the boundary ranks r_0 = r_d = 1 squeezed out."""
+def _core_indices(fmt: str, n_rows: int, d: int) -> list[str]:
+    """Index symbols of each core (left rank, mode(s), right rank; boundary ranks included)."""
     out = []
     for k in range(d):
-        left = _RANK_SYMBOLS[k - 1] if k > 0 else ""
-        right = _RANK_SYMBOLS[k] if k < d - 1 else ""
+        left, right = _RANK_SYMBOLS[k - 1] if k else "", _RANK_SYMBOLS[k] if k < d - 1 else ""
         if fmt == "tt":
-            a = len(row_modes)
-            mode = _ROW_SYMBOLS[k] if k < a else _COL_SYMBOLS[k - a]
-            out.append(left + mode + right)
+            mode = _ROW_SYMBOLS[k] if k < n_rows else _COL_SYMBOLS[k - n_rows]
         else:
-            out.append(left + _ROW_SYMBOLS[k] + _COL_SYMBOLS[k] + right)
+            mode = _ROW_SYMBOLS[k] + _COL_SYMBOLS[k]
+        out.append(left + mode + right)
     return out
 
 
 def tt_network(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                n_tokens: Any = None) -> nx.MultiGraph:
-    """The TT node as a tensor network: tensors are nodes (attribute ``indices``), each index an edge
-    (key = index symbol, attributes ``size`` and ``name``). ``y`` is the output node; an embedding
-    network (``n_tokens=None``) has no ``x`` and its row indices end on ``y`` too."""
+    """The TT layer as a tensor network: tensors are nodes (attribute ``indices``), each index an edge
+    (key = index symbol, attributes ``size`` and ``name``: ``i1``, ``o2``, ``r3``, ``tokens``).
+    ``y`` is the output; an embedding (``n_tokens=None``) has no ``x`` and its row indices end on ``y``.
+    The boundary ranks r_0 = r_d = 1 are squeezed out."""
     d = _check(fmt, row_modes, col_modes, ranks)
-    g = nx.MultiGraph()
-    sizes = {}
-    names = {}
+    sizes: dict[str, int] = {}
+    names: dict[str, str] = {}
     for k, m in enumerate(row_modes):
-        sizes[_ROW_SYMBOLS[k]] = int(m)
-        names[_ROW_SYMBOLS[k]] = f"i{k + 1}"
+        sizes[_ROW_SYMBOLS[k]], names[_ROW_SYMBOLS[k]] = int(m), f"i{k + 1}"
     for k, m in enumerate(col_modes):
-        sizes[_COL_SYMBOLS[k]] = int(m)
-        names[_COL_SYMBOLS[k]] = f"o{k + 1}"
+        sizes[_COL_SYMBOLS[k]], names[_COL_SYMBOLS[k]] = int(m), f"o{k + 1}"
     for k in range(1, d):
-        sizes[_RANK_SYMBOLS[k - 1]] = int(ranks[k])
-        names[_RANK_SYMBOLS[k - 1]] = f"r{k}"
+        sizes[_RANK_SYMBOLS[k - 1]], names[_RANK_SYMBOLS[k - 1]] = int(ranks[k]), f"r{k}"
     rows = "".join(_ROW_SYMBOLS[: len(row_modes)])
     cols = "".join(_COL_SYMBOLS[: len(col_modes)])
+    g = nx.MultiGraph()
     if n_tokens is not None:
-        sizes[_TOKEN] = size_hint(n_tokens)
-        names[_TOKEN] = "tokens"
+        sizes[_TOKEN], names[_TOKEN] = size_hint(n_tokens), "tokens"
         g.add_node("x", indices=_TOKEN + rows, kind="input")
         g.add_node("y", indices=_TOKEN + cols, kind="output")
     else:
         g.add_node("y", indices=rows + cols, kind="output")
-    for k, idx in enumerate(core_indices(fmt, row_modes, col_modes, d)):
+    for k, idx in enumerate(_core_indices(fmt, len(row_modes), d)):
         g.add_node(f"G{k + 1}", indices=idx, kind="core")
     holders: dict[str, list[str]] = {}
     for node, data in g.nodes(data=True):
         for s in data["indices"]:
             holders.setdefault(s, []).append(node)
     for s, nodes in holders.items():
-        assert len(nodes) == 2, (s, nodes)
         g.add_edge(nodes[0], nodes[1], key=s, size=sizes[s], name=names[s])
     return g
 
 
-class _Net:
-    """Index bookkeeping over a ``tt_network``: the boundary indices of any set of tensors."""
-
-    def __init__(self, g: nx.MultiGraph):
-        self.g = g
-        self.leaf_indices = {n: d["indices"] for n, d in g.nodes(data=True) if n != "y"}
-        self.sizes = {k: d["size"] for _, _, k, d in g.edges(keys=True, data=True)}
-        self.names = {k: d["name"] for _, _, k, d in g.edges(keys=True, data=True)}
-        self.out = g.nodes["y"]["indices"]
-        self.pairs: dict = {}
-        self._indices: dict = {}
-        self._numel: dict = {}
-        self.holders: dict[str, set] = {}
-        for leaf, idx in self.leaf_indices.items():
-            for s in idx:
-                self.holders.setdefault(s, set()).add(leaf)
-
-    def indices(self, leaves: frozenset) -> str:
-        """Indices of the tensor made by contracting ``leaves``: those with an edge leaving the set."""
-        hit = self._indices.get(leaves)
-        if hit is not None:
-            return hit
-        if len(leaves) == 1:
-            hit = self.leaf_indices[next(iter(leaves))]
-        else:
-            # an index stays open unless every tensor holding it is in the set (the output holds
-            # the token and column indices, so those always stay open)
-            keep = {s for u in leaves for s in self.leaf_indices[u]
-                    if s in self.out or not self.holders[s] <= leaves}
-            hit = "".join(sorted(keep, key=_ORDER.__getitem__))
-        self._indices[leaves] = hit
-        return hit
-
-    def numel(self, idx: str) -> int:
-        hit = self._numel.get(idx)
-        if hit is None:
-            hit = self._numel[idx] = math.prod(self.sizes[s] for s in idx)
-        return hit
+def _edge_sizes(g: nx.MultiGraph) -> dict[str, int]:
+    return {k: data["size"] for _, _, k, data in g.edges(keys=True, data=True)}
 
 
-# ----------------------------------------------------------------------------- plans
+# ----------------------------------------------------------------------------- merge orders
+
+
+def _first_core(b: Bracket) -> int:
+    return b if isinstance(b, int) else _first_core(b[0])
+
+
+def _path_to_bracket(items: list, path) -> Bracket:
+    """opt_einsum's path as a bracket whose pairs are (left run, right run) in chain order."""
+    ops = list(items)
+    for pair in path:
+        picked = [ops.pop(i) for i in sorted(pair, reverse=True)]
+        ops.append(picked[0] if len(picked) == 1 else tuple(sorted(picked, key=_first_core)))
+    (out,) = ops
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _bracket_cached(fmt: str, row_modes: tuple, col_modes: tuple, ranks: tuple, lo: int, hi: int):
+    g = tt_network(fmt, row_modes, col_modes, ranks)
+    sizes = _edge_sizes(g)
+    idx = [g.nodes[f"G{k + 1}"]["indices"] for k in range(lo, hi)]
+    if hi - lo == 1:
+        return lo, 0
+    inner = {_RANK_SYMBOLS[k - 1] for k in range(lo + 1, hi)}  # bonds inside the run are summed
+    out = "".join(s for s in dict.fromkeys("".join(idx)) if s not in inner)
+    eq = ",".join(idx) + "->" + out
+    shapes = [tuple(sizes[s] for s in i) for i in idx]
+    path, info = oe.contract_path(eq, *shapes, shapes=True, optimize="dp")
+    return _path_to_bracket(list(range(lo, hi)), path), int(info.opt_cost)
+
+
+def bracket_cores(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                  lo: int, hi: int) -> Bracket:
+    """The cheapest merge order of cores ``lo..hi-1`` (opt_einsum ``dp`` on their sub-network)."""
+    return _bracket_cached(fmt, tuple(row_modes), tuple(col_modes), tuple(ranks), lo, hi)[0]
+
+
+def _chain_sizes(fmt: str, row_modes, col_modes) -> tuple[int, ...]:
+    return tuple(row_modes) + tuple(col_modes) if fmt == "tt" else tuple(m * n for m, n in zip(row_modes, col_modes))
+
+
+def _merge_gemms(bracket: Bracket, sizes: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The (m, n, k) of every GEMM of a bracket: merging [r_a, S_left, r_m] with [r_m, S_right, r_b]
+    is one [r_a S_left, r_m] x [r_m, S_right r_b] product."""
+    out: list[tuple[int, int, int]] = []
+
+    def walk(b) -> tuple[int, int]:  # returns the run (lo, hi) it covers
+        if isinstance(b, int):
+            return b, b + 1
+        (lo, mid), (_, hi) = walk(b[0]), walk(b[1])
+        s_left, s_right = math.prod(sizes[lo:mid]), math.prod(sizes[mid:hi])
+        out.append((ranks[lo] * s_left, s_right * ranks[hi], ranks[mid]))
+        return lo, hi
+
+    walk(bracket)
+    return out
+
+
+# ----------------------------------------------------------------------------- the cost model
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
-    """One pairwise contraction ``out = einsum(equation, *inputs)`` (or one fused kernel)."""
+class DeviceModel:
+    """Rates a GEMM (or a copy) reaches on one GPU, fitted to measurements.
 
-    phase: str  # "merge" | "forward" | "recompute" | "backward" | "merge_backward"
-    out: str
-    inputs: tuple[str, ...]
-    equation: str
+    ``gemm_flops``: bf16/fp16 tensor-core rate cuBLAS reaches on large products; ``fp32_flops`` for
+    fp32 operands (TF32 when allowed); ``bandwidth``: device-memory bytes per second a skinny,
+    memory-bound product reaches; ``launch_s`` / ``graph_launch_s``: time added per kernel without /
+    inside a CUDA graph (host dispatch of a compiled graph's kernels, vs the GPU-side gap)."""
+
+    name: str
+    gemm_flops: float
+    fp32_flops: float
+    bandwidth: float
+    launch_s: float
+    graph_launch_s: float
+
+    def gemm_s(self, m: int, n: int, k: int, dtype_bytes: int, batch: int = 1) -> float:
+        rate = self.gemm_flops if dtype_bytes <= 2 else self.fp32_flops
+        flops = 2 * batch * m * n * k
+        nbytes = dtype_bytes * batch * (m * k + k * n + m * n)
+        return max(flops / rate, nbytes / self.bandwidth)
+
+    def copy_s(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth
+
+
+#: The H200 of the project's GPU machine (see module doc): bf16 GEMMs at ~650 TFLOP/s of the ~790
+#: measured on an 8192^3 product, skinny memory-bound GEMMs at ~3 TB/s of the 4.3 TB/s of a plain copy.
+H200 = DeviceModel(name="H200", gemm_flops=650e12, fp32_flops=45e12, bandwidth=3.0e12, launch_s=8e-6,
+                   graph_launch_s=2e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmStep:
+    """One product of a plan: ``label`` (e.g. ``"T = X·L"``) is an [m, k] x [k, n] GEMM (``batch`` of
+    them for a layer group's merges), or a gather/copy of ``nbytes`` when m = n = k = 0."""
+
+    phase: str  # "merge" | "forward" | "backward" | "merge_backward"
+    label: str
+    m: int
+    n: int
+    k: int
+    batch: int
     flops: int
-    bytes: int
-    launches: int
-    token_sized: bool
-    kernel: str = "torch.mm"
+    nbytes: int
+    est_s: float
 
     def describe(self) -> str:
-        return (f"  {self.phase:<14} {self.out:<10} = {self.equation:<24} ({', '.join(self.inputs)})"
-                f"  {_si(self.flops)}FLOP {_si(self.bytes)}B  {self.kernel}")
+        shape = f"[{self.m}x{self.k}]·[{self.k}x{self.n}]" if self.m else "copy"
+        batch = f" x{self.batch}" if self.batch > 1 else ""
+        return (f"  {self.phase:<14} {self.label:<22} {shape:<22}{batch:<5} {_si(self.flops)}FLOP "
+                f"{_si(self.nbytes)}B ~{self.est_s * 1e6:.1f} us")
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one TT node is contracted, forward and backward, with its costs (plain data)."""
+class TTPlan:
+    """How one TT call site runs, forward and backward (plain data; see the module doc)."""
 
     kind: str  # "linear" | "embedding"
     fmt: str
@@ -261,52 +319,57 @@ class Plan:
     col_modes: tuple[int, ...]
     ranks: tuple[int, ...]
     n_tokens: int
-    strategy: str
-    tree: Any  # nested tuples of leaf names
-    steps: tuple[Step, ...]
-    leaf_indices: tuple[tuple[str, str], ...]
-    sizes: tuple[tuple[str, int], ...]
-    out_indices: str
-    fused: str | None  # "xlr": the (x·L)·R chain runs as fused Triton kernels
-    forms_dense_weight: bool
-    recomputed: tuple[str, ...]
-    flops: int
-    bytes: int
-    launches: int
-    est_time_s: float
-    alternatives: tuple[tuple[str, int, int, int, float], ...]
-    baselines: tuple[tuple[str, int], ...]  # (name, forward+backward FLOPs)
+    dtype_bytes: int
+    cudagraphs: bool
+    strategy: str  # "factored" | "dense" (linear); "tables" | "dense" (embedding)
+    split: int  # the bond between the two halves (1..d-1)
+    left: Bracket  # merge order of cores[:split]
+    right: Bracket  # merge order of cores[split:]
+    steps: tuple[GemmStep, ...]
+    candidates: tuple[tuple[str, float], ...]  # (strategy, estimated seconds), cheapest first
+    einsum_flops: int  # forward+backward FLOPs of torch.einsum's left-to-right order (0: n/a)
     plan_time_s: float
-    split: int | None = None  # bond of the two-half split (1..d-1), when the tree is one
+    table_shapes: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None  # embedding "tables"
 
     @property
-    def einsum_default_flops(self) -> int:
-        """Forward + backward FLOPs of torch.einsum's default (left-to-right) path; see module doc."""
-        return dict(self.baselines)["torch.einsum left-to-right"]
+    def est_s(self) -> float:
+        return dict(self.candidates)[self.strategy]
 
-    def steps_in(self, *phases: str) -> tuple[Step, ...]:
+    @property
+    def flops(self) -> int:
+        return sum(s.flops for s in self.steps)
+
+    @property
+    def forms_dense_weight(self) -> bool:
+        return self.strategy == "dense"
+
+    def steps_in(self, *phases: str) -> tuple[GemmStep, ...]:
         return tuple(s for s in self.steps if s.phase in phases)
 
     def summary(self) -> str:
-        """One line for ``explain``: the path, its fwd+bwd costs and the ratio to torch.einsum's."""
-        tok = sum(1 for s in self.steps if s.token_sized)
-        return (f"{self.strategy}{' [fused ' + self.fused + ']' if self.fused else ''}: {tok} token-sized steps, "
-                f"{_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches fwd+bwd "
-                f"({self.flops / max(1, self.einsum_default_flops):.2f}x torch.einsum's FLOPs)")
+        """One line for ``explain``: the strategy, its estimate, and the alternative."""
+        alts = ", ".join(f"{n} ~{t * 1e6:.1f} us" for n, t in self.candidates if n != self.strategy)
+        ratio = f"; {self.flops / self.einsum_flops:.2f}x torch.einsum's FLOPs" if self.einsum_flops else ""
+        return (f"{self.strategy} ~{self.est_s * 1e6:.1f} us fwd+bwd at {self.n_tokens} tokens "
+                f"({_si(self.flops)}FLOP{ratio}); other: {alts or 'none'}")
 
     def describe(self) -> str:
         head = (f"{self.kind} {self.fmt} rows={list(self.row_modes)} cols={list(self.col_modes)} "
                 f"ranks={list(self.ranks)} tokens={self.n_tokens}: {self.strategy}"
-                f"{' [fused ' + self.fused + ']' if self.fused else ''}"
-                f"{' [FORMS DENSE WEIGHT]' if self.forms_dense_weight else ''}")
-        tot = (f"  total {_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches "
-               f"~{self.est_time_s * 1e6:.1f} us (planned in {self.plan_time_s * 1e3:.2f} ms)")
-        legend = "  indices: " + " ".join(f"{s}={n}" for s, n in self.sizes)
-        alts = ["  alternatives (strategy, FLOP, bytes, launches, est us):"] + [
-            f"    {a[0]:<28} {_si(a[1])}FLOP {_si(a[2])}B {a[3]:>3} {a[4] * 1e6:9.1f}" for a in self.alternatives]
-        base = ["  baselines fwd+bwd: " + ", ".join(f"{n} {_si(f)}FLOP" for n, f in self.baselines)]
-        rec = [f"  recomputed in backward: {', '.join(self.recomputed)}"] if self.recomputed else []
-        return "\n".join([head, legend] + [s.describe() for s in self.steps] + [tot] + rec + base + alts)
+                f"{' [forms the dense weight]' if self.forms_dense_weight else ''}")
+        halves = f"  halves: cores 1-{self.split} merged as {_show(self.left)}, {self.split + 1}-{len(self.ranks) - 1} as " \
+                 f"{_show(self.right)} (token-independent, batched over the layer's group)"
+        lines = [head, halves] + [s.describe() for s in self.steps]
+        lines.append(f"  total ~{self.est_s * 1e6:.1f} us ({'inside a CUDA graph' if self.cudagraphs else 'no CUDA graph'}"
+                     f"; planned in {self.plan_time_s * 1e3:.2f} ms)")
+        lines.append("  candidates (est fwd+bwd): " + ", ".join(f"{n} ~{t * 1e6:.1f} us" for n, t in self.candidates))
+        if self.einsum_flops:
+            lines.append(f"  torch.einsum left-to-right: {_si(self.einsum_flops)}FLOP fwd+bwd")
+        return "\n".join(lines)
+
+
+def _show(b: Bracket) -> str:
+    return f"G{b + 1}" if isinstance(b, int) else f"({_show(b[0])}·{_show(b[1])})"
 
 
 def _si(x: float) -> str:
@@ -316,404 +379,207 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-# ----------------------------------------------------------------------------- trees
+class _Costing:
+    """Accumulates the steps of one candidate."""
+
+    def __init__(self, model: DeviceModel, dtype_bytes: int, cudagraphs: bool):
+        self.model, self.e, self.steps = model, dtype_bytes, []
+        self.launch = model.graph_launch_s if cudagraphs else model.launch_s
+
+    def gemm(self, phase: str, label: str, m: int, n: int, k: int, batch: int = 1, share: float = 1.0) -> None:
+        t = self.model.gemm_s(m, n, k, self.e, batch) + self.launch
+        self.steps.append(GemmStep(phase, label, m, n, k, batch, 2 * batch * m * n * k,
+                                   self.e * batch * (m * k + k * n + m * n), t * share))
+
+    def copy(self, phase: str, label: str, nbytes: int, share: float = 1.0) -> None:
+        t = self.model.copy_s(nbytes) + self.launch
+        self.steps.append(GemmStep(phase, label, 0, 0, 0, 1, 0, nbytes, t * share))
+
+    @property
+    def total(self) -> float:
+        return sum(s.est_s for s in self.steps)
 
 
-@functools.lru_cache(maxsize=65536)
-def _leaves(tree) -> frozenset:
-    return frozenset([tree]) if isinstance(tree, str) else _leaves(tree[0]) | _leaves(tree[1])
+def _halves(fmt, row_modes, col_modes, ranks, split):
+    left = bracket_cores(fmt, row_modes, col_modes, ranks, 0, split)
+    right = bracket_cores(fmt, row_modes, col_modes, ranks, split, len(ranks) - 1)
+    return left, right
 
 
-@functools.lru_cache(maxsize=65536)
-def _name(leaves: frozenset) -> str:
-    if len(leaves) == 1:
-        return next(iter(leaves))
-    cores = sorted(int(s[1:]) for s in leaves if s != "x")
-    rng = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
-    return ("T" if "x" in leaves else "G") + rng
+def _add_merges(c: _Costing, fmt, row_modes, col_modes, ranks, split, left, right) -> None:
+    """The halves' merges, forward and backward (two products each), for one layer."""
+    sizes = _chain_sizes(fmt, row_modes, col_modes)
+    for name, br in (("L", left), ("R", right)):
+        for m, n, k in _merge_gemms(br, sizes, ranks):
+            c.gemm("merge", f"{name}: merge", m, n, k)
+            c.gemm("merge_backward", f"d{name}: merge bwd", m, k, n)
+            c.gemm("merge_backward", f"d{name}: merge bwd", k, n, m)
 
 
-def _path_to_tree(leaves: Sequence[str], path) -> Any:
-    ops = list(leaves)
-    for pair in path:
-        pair = sorted(pair, reverse=True)
-        picked = [ops.pop(i) for i in pair]
-        ops.append(picked[1] if len(picked) == 1 else (picked[1], picked[0]))
-    assert len(ops) == 1
-    return ops[0]
-
-
-def _subtree(net: _Net, cores: Sequence[str]) -> Any:
-    """The cheapest contraction tree merging a run of consecutive ``cores`` (token-independent).
-
-    A chain has no profitable outer products, so the optimum merges contiguous runs: an interval
-    dynamic programme over FLOPs (what opt_einsum's ``optimal`` finds on a chain, in microseconds).
-    """
-    k = len(cores)
-    best: dict[tuple[int, int], tuple[int, Any]] = {(i, i): (0, cores[i]) for i in range(k)}
-    for span in range(1, k):
-        for i in range(k - span):
-            j = i + span
-            cands = []
-            for m in range(i, j):
-                fl, tl = best[(i, m)]
-                fr, tr = best[(m + 1, j)]
-                cands.append((fl + fr + _pair_eq(net, _leaves(tl), _leaves(tr))[3], (tl, tr)))
-            best[(i, j)] = min(cands, key=lambda c: c[0])
-    return best[(0, k - 1)][1]
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_path(eq: str, shapes: tuple, optimize) -> tuple[list, int]:
-    path, info = oe.contract_path(eq, *shapes, shapes=True, optimize=list(optimize) if isinstance(
-        optimize, tuple) else optimize)
-    return path, int(info.opt_cost)
-
-
-def _full_path_tree(net: _Net, leaves: Sequence[str], optimize) -> Any:
-    eq = ",".join(net.leaf_indices[c] for c in leaves) + "->" + net.out
-    shapes = tuple(tuple(net.sizes[s] for s in net.leaf_indices[c]) for c in leaves)
-    path, cost = _cached_path(eq, shapes, tuple(optimize) if isinstance(optimize, list) else optimize)
-    return _path_to_tree(leaves, path), cost
-
-
-def _left_to_right(n: int) -> list[tuple[int, int]]:
-    """torch.einsum's own order in opt_einsum path notation (results are appended at the end)."""
-    return [(0, 1)] + [(0, n - 2 - j) for j in range(n - 2)]
-
-
-def _pair_eq(net: _Net, a: frozenset, b: frozenset) -> tuple[str, str, str, int]:
-    key = (a, b)
-    hit = net.pairs.get(key)
-    if hit is None:
-        hit = net.pairs[key] = _pair_eq_uncached(net, a, b)
-    return hit
-
-
-def _pair_eq_uncached(net: _Net, a: frozenset, b: frozenset) -> tuple[str, str, str, int]:
-    ia, ib, ic = net.indices(a), net.indices(b), net.indices(a | b)
-    union = set(ia) | set(ib)
-    flops = (2 if (set(ia) & set(ib)) - set(ic) else 1) * math.prod(net.sizes[s] for s in union)
-    return ia, ib, ic, flops
-
-
-def _internal_nodes(tree) -> list:
-    """The pairwise contractions of a contraction tree (nested tuples of leaf names), in post-order."""
-    if isinstance(tree, str):
-        return []
-    return _internal_nodes(tree[0]) + _internal_nodes(tree[1]) + [tree]
-
-
-def _cost_tree(net: _Net, tree, dtype_bytes: int, fused_ok: bool) -> dict:
-    """Steps and totals of forward + backward for one contraction tree."""
-    steps: list[Step] = []
-    internal = _internal_nodes(tree)
-    root = _leaves(tree)
-    names = {}
-    for t in internal:
-        names[_leaves(t)] = _name(_leaves(t))
-    names[root] = "y"
-
-    def nm(s: frozenset) -> str:
-        return names.get(s) or _name(s)
-
-    # the fused (x·L)·R chain: root = (x, A)·B with a [n, r] intermediate
-    fused = None
-    if fused_ok and not isinstance(tree, str):
-        left, right = tree
-        for first, second in ((left, right), (right, left)):
-            if isinstance(first, tuple) and "x" in _leaves(first) and "x" not in _leaves(second):
-                a, b = first
-                xa = a if a == "x" else b if b == "x" else None
-                other = b if xa is a else a
-                t_idx = net.indices(_leaves(first))
-                if (xa == "x" and "x" not in _leaves(other) and len(t_idx) == 2 and t_idx[0] == _TOKEN
-                        and net.sizes[t_idx[1]] <= MAX_FUSED_RANK):
-                    fused = (other, second, first)
-                break
-
-    for t in internal:
-        a, b = _leaves(t[0]), _leaves(t[1])
-        ia, ib, ic, flops = _pair_eq(net, a, b)
-        tok = _TOKEN in ic or _TOKEN in ia or _TOKEN in ib
-        nbytes = dtype_bytes * (net.numel(ia) + net.numel(ib) + net.numel(ic))
-        eq = f"{ia},{ib}->{ic}"
-        phase = "forward" if tok else "merge"
-        steps.append(Step(phase, nm(_leaves(t)), (nm(a), nm(b)), eq, flops, nbytes, 1, tok))
-    # backward: reverse post-order, two contractions per step; a forward intermediate that the
-    # backward reads is recomputed (the op returns only y)
-    needed = set()
-    bwd = []
-    for t in reversed(internal):
-        a, b = _leaves(t[0]), _leaves(t[1])
-        ia, ib, ic, flops = _pair_eq(net, a, b)
-        tok = _TOKEN in ic or _TOKEN in ia or _TOKEN in ib
-        phase = "backward" if tok else "merge_backward"
-        for tgt, other, it, io in ((a, b, ia, ib), (b, a, ib, ia)):
-            nbytes = dtype_bytes * (net.numel(ic) + net.numel(io) + net.numel(it))
-            bwd.append(Step(phase, "d" + nm(tgt), ("d" + nm(_leaves(t)), nm(other)),
-                            f"{ic},{io}->{it}", flops, nbytes, 1, tok))
-            if len(other) > 1:
-                needed.add(other)
-    # the backward re-runs the token-independent merges (cheap) and the forward steps whose
-    # outputs it reads (the op returns only y)
-    merge_steps = [s for s in steps if s.phase == "merge"]
-    needed_names = {nm(x) for x in needed}
-    rec = [dataclasses.replace(s, phase="recompute") for s in steps
-           if s.phase == "merge" or (s.phase == "forward" and s.out in needed_names)]
-    recomputed = [s.out for s in rec]
-    all_steps = list(steps) + rec + bwd
-
-    if fused is not None:
-        other, second, first = fused
-        xa, ab, ay = nm(frozenset(["x"])), nm(_leaves(other)), nm(_leaves(second))
-        t_name = nm(_leaves(first))
-        ix, iA, iB, iy = net.indices(frozenset(["x"])), net.indices(_leaves(other)), net.indices(
-            _leaves(second)), net.out
-        it = net.indices(_leaves(first))
-        n = net.sizes[_TOKEN]
-        f1 = _pair_eq(net, frozenset(["x"]), _leaves(other))[3]
-        f2 = _pair_eq(net, _leaves(first), _leaves(second))[3]
-        bx, bA, bB, by, bt = (dtype_bytes * net.numel(i) for i in (ix, iA, iB, iy, it))
-        keep = [s for s in all_steps if not s.token_sized]
-        fwd = Step("forward", "y", (xa, ab, ay), f"{ix},{iA},{iB}->{iy}", f1 + f2, bx + bA + bB + by, 1, True,
-                   "triton:tt_xlr_fwd")
-        bwd_f = Step("backward", f"{t_name},d{t_name},dx", ("x", "dy", ab, ay),
-                     f"{ix},{iA}->{it}; {iy},{iB}->{it}; {it},{iA}->{ix}", f1 + f2 + f1,
-                     bx + by + bA + bB + bx + 2 * bt, 1, True, "triton:tt_xlr_bwd")
-        dA = Step("backward", "d" + ab, ("x", "d" + t_name), f"{ix},{it}->{iA}", f1, bx + bt + bA, 1, True,
-                  "torch.matmul")
-        dB = Step("backward", "d" + ay, (t_name, "dy"), f"{it},{iy}->{iB}", f2, bt + by + bB, 1, True,
-                  "torch.matmul")
-        merges = [s for s in keep if s.phase == "merge"]
-        rec_m = [s for s in keep if s.phase == "recompute"]
-        mb = [s for s in keep if s.phase == "merge_backward"]
-        all_steps = merges + [fwd] + rec_m + [bwd_f, dA, dB] + mb
-        recomputed = [s.out for s in rec_m] + [f"{t_name} (inside triton:tt_xlr_bwd)"]
-        fused_tag = "xlr"
-    else:
-        fused_tag = None
-
-    flops = sum(s.flops for s in all_steps)
-    nbytes = sum(s.bytes for s in all_steps)
-    launches = sum(s.launches for s in all_steps)
-    est = sum(max(s.flops / PEAK_FLOPS, s.bytes / PEAK_BYTES) for s in all_steps) + launches * LAUNCH_S
-    cores = frozenset(n for n in net.leaf_indices if n != "x")
-    dense = any(_leaves(t) == cores for t in internal) and len(cores) > 1
-    return dict(steps=tuple(all_steps), flops=flops, bytes=nbytes, launches=launches, est=est, fused=fused_tag,
-                dense=dense, recomputed=tuple(recomputed))
-
-
-def _has_subtree(tree, leaves: frozenset) -> bool:
-    if isinstance(tree, str):
-        return len(leaves) == 1 and tree in leaves
-    return _leaves(tree) == leaves or _has_subtree(tree[0], leaves) or _has_subtree(tree[1], leaves)
-
-
-def _forward_flops(net: _Net, tree) -> int:
-    if isinstance(tree, str):
-        return 0
-    return (_forward_flops(net, tree[0]) + _forward_flops(net, tree[1])
-            + _pair_eq(net, _leaves(tree[0]), _leaves(tree[1]))[3])
-
-
-def _tree_key(tree) -> Any:
-    if isinstance(tree, str):
-        return tree
-    a, b = _tree_key(tree[0]), _tree_key(tree[1])
-    return tuple(sorted((a, b), key=repr))
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan_linear_cached(fmt: str, row_modes: tuple, col_modes: tuple, ranks: tuple, n: int, dtype_bytes: int,
-                        allow_dense: bool, fused_ok: bool) -> Plan:
-    t0 = time.perf_counter()
-    g = tt_network(fmt, row_modes, col_modes, ranks, n)
-    net = _Net(g)
+def _best_split(fmt, row_modes, col_modes, ranks) -> int:
+    """The bond that makes the dense weight cheapest: both halves' merges plus ``L·R``."""
+    sizes = _chain_sizes(fmt, row_modes, col_modes)
     d = len(ranks) - 1
-    cores = [f"G{k + 1}" for k in range(d)]
-    cands: dict[Any, tuple[str, Any]] = {}
 
-    def add(name, tree, split=None):
-        key = _tree_key(tree)
-        if key not in cands:
-            cands[key] = (name, tree, split)
+    def flops(b: int) -> int:
+        lb, rb = _halves(fmt, row_modes, col_modes, ranks, b)
+        merges = sum(m * n * k for m, n, k in _merge_gemms(lb, sizes, ranks) + _merge_gemms(rb, sizes, ranks))
+        return merges + math.prod(sizes[:b]) * ranks[b] * math.prod(sizes[b:])
 
-    for k in range(1, d):
-        A, B = _subtree(net, cores[:k]), _subtree(net, cores[k:])
-        add(f"split@{k} (x·G1-{k})·G{k + 1}-{d}", (("x", A), B), k)
-        add(f"split@{k} (x·G{k + 1}-{d})·G1-{k}", (("x", B), A), k)
-    leaves = ["x"] + cores
-    # opt_einsum over the whole network: exact dynamic programming while it stays fast
-    for opt in (("dp", "greedy") if d <= 6 else ("greedy", "branch-1")):
-        tree, _ = _full_path_tree(net, leaves, opt)
-        add(f"opt_einsum:{opt}", tree)
-    lr_tree, _ = _full_path_tree(net, leaves, _left_to_right(len(leaves)))
-    add("torch.einsum left-to-right", lr_tree)
-    add("dense (merge all cores)", ("x", _subtree(net, cores)))
+    natural = len(row_modes) if fmt == "tt" else d // 2
+    return min(range(1, d), key=lambda b: (flops(b), abs(b - natural)))
 
-    # prune: a tree whose forward FLOPs are far above the best one's cannot win (the backward
-    # roughly doubles every token-sized step); the dense tree is always costed, for the record
-    all_cores = frozenset(cores)
-    fwd = {key: _forward_flops(net, tree) for key, (_, tree, _) in cands.items()}
-    dense = {key: _has_subtree(tree, all_cores) for key, (_, tree, _) in cands.items()}
-    floor = min(f for key, f in fwd.items() if allow_dense or not dense[key])
-    costed = []
-    for key, (name, tree, split) in cands.items():
-        if fwd[key] > 8 * floor and not dense[key]:
-            continue
-        costed.append((name, tree, split, _cost_tree(net, tree, dtype_bytes, fused_ok)))
-    allowed = [x for x in costed if allow_dense or not x[3]["dense"]]
-    name, tree, split, c = min(allowed, key=lambda x: (x[3]["est"], x[3]["flops"]))
 
-    baselines = []
-    for label, opt in (("torch.einsum left-to-right", _left_to_right(len(leaves))),
-                       ("opt_einsum greedy", "greedy"), ("opt_einsum auto (torch.einsum with opt_einsum)", "auto")):
-        _, fwd = _full_path_tree(net, leaves, opt)
-        baselines.append((label, 3 * fwd))
-    alts = tuple(sorted(((nm_, x["flops"], x["bytes"], x["launches"], x["est"]) for nm_, _, _, x in costed),
-                        key=lambda a: a[4]))
-    return Plan(kind="linear", fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_tokens=n,
-                strategy=name, tree=tree, steps=c["steps"], leaf_indices=tuple(net.leaf_indices.items()),
-                sizes=tuple((net.names[s] + ":" + s, v) for s, v in sorted(net.sizes.items(),
-                                                                            key=lambda kv: _ORDER[kv[0]])),
-                out_indices=net.out, fused=c["fused"], forms_dense_weight=c["dense"], recomputed=c["recomputed"],
-                flops=c["flops"], bytes=c["bytes"], launches=c["launches"], est_time_s=c["est"], alternatives=alts,
-                baselines=tuple(baselines), plan_time_s=time.perf_counter() - t0, split=split)
+def _einsum_flops(fmt, row_modes, col_modes, ranks, n: int) -> int:
+    """Forward+backward FLOPs of ``torch.einsum(x, G1, ..., Gd)`` contracted left to right (each
+    pairwise product's backward is two products of the same FLOPs)."""
+    g = tt_network(fmt, row_modes, col_modes, ranks, n)
+    sizes = _edge_sizes(g)
+    leaves = ["x"] + [f"G{k + 1}" for k in range(len(ranks) - 1)]
+    idx = [g.nodes[v]["indices"] for v in leaves]
+    eq = ",".join(idx) + "->" + g.nodes["y"]["indices"]
+    path = [(0, 1)] + [(0, len(leaves) - 2 - j) for j in range(len(leaves) - 2)]
+    _, info = oe.contract_path(eq, *[tuple(sizes[s] for s in i) for i in idx], shapes=True, optimize=path)
+    return 3 * int(info.opt_cost)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_linear_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagraphs, model) -> TTPlan:
+    t0 = time.perf_counter()
+    P, Q = math.prod(row_modes), math.prod(col_modes)
+    sizes = _chain_sizes(fmt, row_modes, col_modes)
+    cands: dict[str, tuple[_Costing, int]] = {}
+    if fmt == "tt":  # the low-rank bottleneck between the row and the column modes
+        a = len(row_modes)
+        r = ranks[a]
+        c = _Costing(model, dtype_bytes, cudagraphs)
+        left, right = _halves(fmt, row_modes, col_modes, ranks, a)
+        _add_merges(c, fmt, row_modes, col_modes, ranks, a, left, right)
+        c.gemm("forward", "T = X·L", n, r, P)
+        c.gemm("forward", "Y = T·R", n, Q, r)
+        c.gemm("backward", "dT = dY·Rᵀ", n, r, Q)
+        c.gemm("backward", "dX = dT·Lᵀ", n, P, r)
+        c.gemm("backward", "dL = Xᵀ·dT", P, r, n)
+        c.gemm("backward", "dR = Tᵀ·dY", r, Q, n)
+        cands["factored"] = (c, a)
+    b = _best_split(fmt, row_modes, col_modes, ranks)
+    c = _Costing(model, dtype_bytes, cudagraphs)
+    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
+    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+    sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
+    c.gemm("merge", "W = L·R", sl, sr, ranks[b])
+    if fmt == "ttm":
+        c.copy("merge", "W: modes to rows x cols", 2 * dtype_bytes * P * Q)
+        c.copy("merge_backward", "dW: back to chain order", 2 * dtype_bytes * P * Q)
+    c.gemm("forward", "Y = X·W", n, Q, P)
+    c.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
+    c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
+    c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
+    c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
+    cands["dense"] = (c, b)
+    best = min(cands, key=lambda k: cands[k][0].total)
+    chosen, split = cands[best]
+    left, right = _halves(fmt, row_modes, col_modes, ranks, split)
+    order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
+    return TTPlan(kind="linear", fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_tokens=n,
+                  dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split, left=left,
+                  right=right, steps=tuple(chosen.steps), candidates=order,
+                  einsum_flops=_einsum_flops(fmt, row_modes, col_modes, ranks, n), plan_time_s=time.perf_counter() - t0)
 
 
 def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
-                   n_tokens: Any, dtype_bytes: int = 2, *, allow_dense: bool = False, fused: bool = True) -> Plan:
-    """Plan forward and backward of ``x @ M`` for a TT layer (see the module doc).
+                   n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
+                   model: DeviceModel = H200) -> TTPlan:
+    """Plan ``x @ M`` (forward and backward) for a TT layer at ``n_tokens`` tokens (see the module doc).
 
-    ``n_tokens`` may be an int, a ``torch.SymInt`` or a sympy expression: the plan uses its size
-    hint and never guards. Plans are cached on the static tuple (ranks included, so a rank change
-    re-plans). ``fused=False`` costs the plan for the torch path (no fused Triton chain).
+    ``n_tokens`` may be an int, a ``torch.SymInt`` or a sympy expression (its size hint is used; no
+    guard). ``cudagraphs`` costs launches as inside a CUDA graph. Plans are cached on the arguments.
     """
+    d = _check(fmt, row_modes, col_modes, ranks)
+    if d < 2:
+        raise ValueError("a TT layer needs at least two cores to plan a contraction")
     return _plan_linear_cached(fmt, tuple(int(m) for m in row_modes), tuple(int(m) for m in col_modes),
                                tuple(int(r) for r in ranks), size_hint(n_tokens), int(dtype_bytes),
-                               bool(allow_dense), bool(fused))
+                               bool(cudagraphs), model)
 
 
 # ----------------------------------------------------------------------------- embedding
 
 
-@dataclasses.dataclass(frozen=True)
-class EmbeddingPlan:
-    """How a TT embedding lookup is computed: the cores left of bond ``split`` are merged into a table
-    A [I_L, O_L, r], the rest into B [I_R, O_R, r]; row i = (iL, iR) gives out = A[iL] · B[iR]ᵀ
-    ([O_L, O_R], flattened row-major). Both tables are ~sqrt of the vocabulary, so neither the weight
-    nor a vocabulary-sized gradient is ever formed; the backward scatter-adds into the tables and
-    then runs the merges backward into the cores."""
-
-    fmt: str
-    row_modes: tuple[int, ...]
-    col_modes: tuple[int, ...]
-    ranks: tuple[int, ...]
-    n_lookups: int
-    strategy: str
-    split: int
-    steps: tuple[Step, ...]  # merges of the two tables and their backward (token-independent)
-    leaf_indices: tuple[tuple[str, str], ...]
-    tables: tuple[str, str]  # names of A and B in ``steps``
-    sizes: tuple[tuple[str, int], ...]  # ("name:symbol", size) of every index
-    table_shapes: tuple[tuple[int, int, int], tuple[int, int, int]]  # (I_L, O_L, r), (I_R, O_R, r)
-    flops: int
-    bytes: int
-    launches: int
-    est_time_s: float
-    alternatives: tuple[tuple[str, int, int, int, float], ...]
-    plan_time_s: float
-
-    def steps_in(self, *phases: str) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.phase in phases)
-
-    def describe(self) -> str:
-        (il, ol, r), (ir, orr, _) = self.table_shapes
-        lines = [f"embedding {self.fmt} rows={list(self.row_modes)} cols={list(self.col_modes)} "
-                 f"ranks={list(self.ranks)} lookups={self.n_lookups}: {self.strategy}",
-                 f"  tables A[{il}, {ol}, {r}] ({self.tables[0]}) and B[{ir}, {orr}, {r}] ({self.tables[1]}); "
-                 f"per lookup out[{ol}, {orr}] = A[iL] · B[iR]^T (triton:tt_emb_fwd)"]
-        lines += [s.describe() for s in self.steps]
-        lines += [f"  total {_si(self.flops)}FLOP {_si(self.bytes)}B {self.launches} launches "
-                  f"~{self.est_time_s * 1e6:.1f} us (planned in {self.plan_time_s * 1e3:.2f} ms)",
-                  "  alternatives (strategy, FLOP, bytes, launches, est us):"]
-        lines += [f"    {a[0]:<28} {_si(a[1])}FLOP {_si(a[2])}B {a[3]:>3} {a[4] * 1e6:9.1f}"
-                  for a in self.alternatives]
-        return "\n".join(lines)
-
-
-def _merge_steps(net: _Net, tree, dtype_bytes: int) -> tuple[list[Step], list[Step]]:
-    """Forward and backward steps of merging a subtree of cores (token-independent)."""
-    fwd: list[Step] = []
-    internal = _internal_nodes(tree)
-    for t in internal:
-        a, b = _leaves(t[0]), _leaves(t[1])
-        ia, ib, ic, flops = _pair_eq(net, a, b)
-        nbytes = dtype_bytes * (net.numel(ia) + net.numel(ib) + net.numel(ic))
-        fwd.append(Step("merge", _name(_leaves(t)), (_name(a), _name(b)), f"{ia},{ib}->{ic}", flops, nbytes, 1,
-                        False))
-    bwd = []
-    for t in reversed(internal):
-        a, b = _leaves(t[0]), _leaves(t[1])
-        ia, ib, ic, flops = _pair_eq(net, a, b)
-        for tgt, other, it, io in ((a, b, ia, ib), (b, a, ib, ia)):
-            nbytes = dtype_bytes * (net.numel(ic) + net.numel(io) + net.numel(it))
-            bwd.append(Step("merge_backward", "d" + _name(tgt), ("d" + _name(_leaves(t)), _name(other)),
-                            f"{ic},{io}->{it}", flops, nbytes, 1, False))
-    return fwd, bwd
+def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                 split: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(I_L, O_L, r), (I_R, O_R, r)``: the row and column extents of the two halves at ``split``."""
+    d = len(ranks) - 1
+    if fmt == "tt":
+        a = len(row_modes)
+        modes = [(m, 1) for m in row_modes] + [(1, n) for n in col_modes]
+    else:
+        modes = list(zip(row_modes, col_modes))
+    left, right = modes[:split], modes[split:d]
+    r = ranks[split]
+    return ((math.prod(m for m, _ in left), math.prod(n for _, n in left), r),
+            (math.prod(m for m, _ in right), math.prod(n for _, n in right), r))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes) -> EmbeddingPlan:
+def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagraphs, model) -> TTPlan:
     t0 = time.perf_counter()
-    net = _Net(tt_network(fmt, row_modes, col_modes, ranks, None))
     d = len(ranks) - 1
-    cores = [f"G{k + 1}" for k in range(d)]
-    rows_p = math.prod(row_modes)
-    costed = []
-    for k in range(1, d):
-        A, B = frozenset(cores[:k]), frozenset(cores[k:])
-        ia, ib = net.indices(A), net.indices(B)
-        shp = []
-        for idx in (ia, ib):
-            il = math.prod(net.sizes[s] for s in idx if s in _ROW_SYMBOLS)
-            ol = math.prod(net.sizes[s] for s in idx if s in _COL_SYMBOLS)
-            shp.append((il, ol, ranks[k]))
-        (il, ol, r), (ir, orr, _) = shp
-        vocab_sized = il >= rows_p or ir >= rows_p
-        fa, ba = _merge_steps(net, _subtree(net, cores[:k]), dtype_bytes)
-        fb, bb = _merge_steps(net, _subtree(net, cores[k:]), dtype_bytes)
-        steps = fa + fb + bb + ba
-        per = 2 * ol * r * orr
-        # forward: two gathered slices and one small GEMM per lookup; backward: two GEMMs per lookup
-        # and scatter-adds into the tables; the merges run again for the backward
-        flops = sum(s.flops for s in steps) + sum(s.flops for s in fa + fb) + 3 * n * per
-        nbytes = (sum(s.bytes for s in steps) + sum(s.bytes for s in fa + fb)
-                  + dtype_bytes * n * 2 * ol * orr + 4 * n * 3 * r * (ol + orr) + 4 * 2 * (il * ol + ir * orr) * r)
-        launches = len(steps) + len(fa + fb) + 4
-        est = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) + launches * LAUNCH_S
-        name = f"tables@{k} A[iL]·B[iR]" + (" (vocabulary-sized table)" if vocab_sized else "")
-        costed.append((vocab_sized, est, name, k, tuple(steps), (_name(A), _name(B)), tuple(shp), flops, nbytes,
-                       launches))
-    best = min(costed, key=lambda c: (c[0], c[1]))
-    alts = tuple(sorted(((c[2], c[7], c[8], c[9], c[1]) for c in costed), key=lambda a: a[4]))
-    return EmbeddingPlan(fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_lookups=n,
-                         strategy=best[2], split=best[3], steps=best[4], leaf_indices=tuple(net.leaf_indices.items()),
-                         sizes=tuple((net.names[s] + ":" + s, v) for s, v in sorted(net.sizes.items(),
-                                                                                     key=lambda kv: _ORDER[kv[0]])),
-                         tables=best[5], table_shapes=best[6], flops=best[7], bytes=best[8], launches=best[9],
-                         est_time_s=best[1], alternatives=alts, plan_time_s=time.perf_counter() - t0)
+    P, Q = math.prod(row_modes), math.prod(col_modes)
+    e = dtype_bytes
+    cands: dict[str, tuple[_Costing, int, Any]] = {}
+    for b in range(1, d):
+        (il, ol, r), (ir, orr, _) = shapes = table_shapes(fmt, row_modes, col_modes, ranks, b)
+        c = _Costing(model, dtype_bytes, cudagraphs)
+        left, right = _halves(fmt, row_modes, col_modes, ranks, b)
+        _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+        c.copy("forward", "gather A[iL], B[iR]", e * n * (ol + orr) * r * 2)
+        c.gemm("forward", "out = A[iL]·B[iR]ᵀ", ol, orr, r, batch=n)
+        c.gemm("backward", "dA[iL] = dout·B[iR]", ol, r, orr, batch=n)
+        c.gemm("backward", "dB[iR] = doutᵀ·A[iL]", orr, r, ol, batch=n)
+        c.copy("backward", "scatter-add into dA, dB", 4 * (n * (ol + orr) * r * 2 + (il * ol + ir * orr) * r))
+        if "tables" not in cands or c.total < cands["tables"][0].total:
+            cands["tables"] = (c, b, shapes)
+    b = _best_split(fmt, row_modes, col_modes, ranks)
+    sizes = _chain_sizes(fmt, row_modes, col_modes)
+    c = _Costing(model, dtype_bytes, cudagraphs)
+    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
+    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+    sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
+    c.gemm("merge", "W = L·R", sl, sr, ranks[b])
+    if fmt == "ttm":
+        c.copy("merge", "W: modes to rows x cols", 2 * e * P * Q)
+    c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
+    c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
+    c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
+    c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
+    cands["dense"] = (c, b, None)
+    best = min(cands, key=lambda k: cands[k][0].total)
+    chosen, split, shapes = cands[best]
+    left, right = _halves(fmt, row_modes, col_modes, ranks, split)
+    order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
+    return TTPlan(kind="embedding", fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_tokens=n,
+                  dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split, left=left, right=right, steps=tuple(chosen.steps), candidates=order, einsum_flops=0,
+                  plan_time_s=time.perf_counter() - t0, table_shapes=shapes)
 
 
 def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
-                      n_lookups: Any, dtype_bytes: int = 2) -> EmbeddingPlan:
-    """Plan a TT embedding lookup (forward + backward) for either format: choose the bond that splits
-    the cores into two gathered tables, preferring splits where neither table is vocabulary-sized."""
+                      n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
+                      model: DeviceModel = H200) -> TTPlan:
+    """Plan a TT embedding lookup (forward + backward): gathered tables at the best bond, or the dense
+    table when that is cheaper (small vocabularies)."""
+    d = _check(fmt, row_modes, col_modes, ranks)
+    if d < 2:
+        raise ValueError("a TT embedding needs at least two cores to plan a lookup")
     return _plan_embedding_cached(fmt, tuple(int(m) for m in row_modes), tuple(int(m) for m in col_modes),
-                                  tuple(int(r) for r in ranks), size_hint(n_lookups), int(dtype_bytes))
+                                  tuple(int(r) for r in ranks), size_hint(n_lookups), int(dtype_bytes),
+                                  bool(cudagraphs), model)
 
 
 def clear_plan_cache() -> None:
     _plan_linear_cached.cache_clear()
     _plan_embedding_cached.cache_clear()
+    _bracket_cached.cache_clear()

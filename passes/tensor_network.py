@@ -1,31 +1,74 @@
-"""Rewrite tensor-train layers into tensor-network nodes that never form the dense weight.
+"""Lower tensor-train layers into batched merges and GEMMs that Inductor compiles with the rest.
 
 A tensorized layer's weight is one ``comera.tt_materialize(cores, gates, ...)`` call (see
-``comera_compile.tensorize``), so the Dynamo graph shows
+``comera_compile.tensorize``), so the Dynamo graph shows one of
 
-    linear(x, tt_materialize(cores, gates, fmt, rows, cols, transpose=True), bias)
-    embedding(idx, tt_materialize(cores, gates, fmt, rows, cols, transpose=False))
+    linear(x, tt_materialize(..., transpose=True), bias)     nn.Linear            x @ M
+    linear(x, tt_materialize(..., transpose=False), bias)    a tied TT head       x @ Mᵀ
+    addmm(bias, x, tt_materialize(..., transpose=False))     GPT-2's Conv1D       x @ M
+    matmul(x, tt_materialize(...)) / x @ ...                                      x @ M or x @ Mᵀ
+    embedding(idx, tt_materialize(..., transpose=False))     nn.Embedding         M[idx]
 
-which become ``comera.tt_linear(x, cores, gates, bias, ...)`` and ``comera.tt_embedding(idx, ...)``.
-Their contraction orders (forward and backward) come from :mod:`comera_compile.planner`; the plan
-chosen for the traced token count is printed in ``explain``.
+For each such site the planner (:mod:`comera_compile.planner`) picks a strategy for the traced token
+count, and the site is rewritten into calls of :mod:`comera_compile.tt_runtime`:
+
+* the token-independent work (gates folded into the cores, the two halves of the chain merged in the
+  planned order) of every layer with the same structure, dtype and strategy is **one batched call**
+  (:func:`~comera_compile.tt_runtime.group_outputs`, up to ``MAX_GROUP`` layers): one batched GEMM per
+  merge step for the whole group instead of a few launches per layer;
+* the token-sized work is ``linear(project(x, F1), F2, bias)`` (the low-rank ``"factored"`` path: the
+  second factor stays a plain ``linear``, so a TT LM head is then fused with its loss by the ``cce``
+  pass, over the rank-sized activations), the original ``linear``/``embedding``/``addmm`` with the
+  group's dense weight (``"dense"``), or a gathered-table ``lookup`` (``"tables"``).
+
+Every argument of a matched node is checked; anything else is left alone with its reason in
+``explain``. The rewritten graph never forms a weight the plan does not call for.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from comera_compile.fx_utils import RewriteRejected, checked_replace, fake, module_name
+from comera_compile import tt_runtime
+from comera_compile.fx_utils import RewriteRejected, checked_replace, erase_unused, fake, fake_node, module_name
 from comera_compile.pass_manager import REGISTRY, PassContext
-from comera_compile.planner import size_hint
+from comera_compile.planner import TTPlan, core_ranks, plan_tt_embedding, plan_tt_linear, size_hint
 
 NAME = "tensor_network"
+MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
+
 _LINEAR = {torch._C._nn.linear, F.linear}
-_EMBEDDING = {F.embedding, torch.embedding}
+_F_EMBEDDING = {F.embedding}
+_MATMUL = {operator.matmul, torch.matmul, torch.mm}
+_ADDMM = {torch.addmm}
+_F_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+class _Decline(Exception):
+    """A site that stays as it is; the message is the reason ``explain`` prints."""
+
+
+@dataclasses.dataclass
+class _Site:
+    node: fx.Node  # the consumer of the TT weight
+    w: fx.Node  # the tt_materialize node
+    kind: str  # "tt_linear" | "tt_embedding"
+    x: Any  # activations or indices
+    bias: Any = None
+    x_times_m: bool = True  # y = x @ M (nn.Linear, Conv1D); False: y = x @ Mᵀ (a tied head)
+    padding_idx: int | None = None
+    plan: TTPlan | None = None
+    output: str = ""
+
+    def meta(self):
+        cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = self.w.args
+        return list(cores), list(gates), fmt, list(row_modes), list(col_modes), int(rows), int(cols), bool(transpose)
 
 
 def _materialize_targets() -> set:
@@ -35,110 +78,257 @@ def _materialize_targets() -> set:
     return {packet, packet.default}
 
 
-def _meta(node: fx.Node):
-    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = node.args
-    return list(cores), list(gates), fmt, list(row_modes), list(col_modes), int(rows), int(cols), bool(transpose)
+def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The node's arguments by name (positional or keyword); an unknown keyword declines."""
+    if len(node.args) > len(names):
+        raise _Decline(f"{node.name} has {len(node.args)} positional arguments; expected at most {len(names)}")
+    bound = dict(defaults)
+    bound.update(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        if key not in names:
+            raise _Decline(f"{node.name}: keyword argument {key}= is not understood")
+        bound[key] = value
+    return bound
 
 
-def _plan_text(kind: str, n_tokens, cores, fmt, row_modes, col_modes, dtype, on_gpu: bool) -> str:
-    from comera_compile.planner import core_ranks, plan_tt_embedding, plan_tt_linear, token_bucket
+def _is_tt(value: Any, materialize: set) -> bool:
+    return isinstance(value, fx.Node) and value.op == "call_function" and value.target in materialize
 
+
+def _match(node: fx.Node, materialize: set) -> _Site | None:
+    """The TT site at ``node``, or None when ``node`` does not consume a TT weight (raises _Decline
+    for a TT consumer that cannot be rewritten exactly)."""
+    if node.op != "call_function":
+        return None
+    if node.target in _LINEAR:
+        a = _bind(node, ("input", "weight", "bias"), {"bias": None})
+        if not _is_tt(a["weight"], materialize):
+            return None
+        return _Site(node, a["weight"], "tt_linear", a["input"], a["bias"], x_times_m=bool(a["weight"].args[7]))
+    if node.target in _ADDMM:
+        a = _bind(node, ("input", "mat1", "mat2"), {})
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            raise _Decline(f"{node.name}: addmm with beta/alpha != 1")
+        if not _is_tt(a["mat2"], materialize):
+            return None
+        return _Site(node, a["mat2"], "tt_linear", a["mat1"], a["input"],
+                     x_times_m=not bool(a["mat2"].args[7]))
+    if node.target in _MATMUL and len(node.args) == 2 and not node.kwargs:
+        x, w = node.args
+        if not _is_tt(w, materialize):
+            return None
+        return _Site(node, w, "tt_linear", x, None, x_times_m=not bool(w.args[7]))
+    if node.target in _F_EMBEDDING:
+        a = _bind(node, _F_EMBEDDING_ARGS, {"padding_idx": None, "max_norm": None, "norm_type": 2.0,
+                                            "scale_grad_by_freq": False, "sparse": False})
+        if not _is_tt(a["weight"], materialize):
+            return None
+        if a["max_norm"] is not None:
+            raise _Decline("max_norm renormalizes weight rows in place; a TT weight has no rows to renormalize")
+        if a["scale_grad_by_freq"] or a["sparse"]:
+            raise _Decline("scale_grad_by_freq / sparse gradients are not supported for a TT weight")
+        return _Site(node, a["weight"], "tt_embedding", a["input"], padding_idx=a["padding_idx"])
+    if node.target is torch.embedding and any(_is_tt(v, materialize) for v in node.args):
+        raise _Decline("torch.embedding (the raw op) is not matched; F.embedding / nn.Embedding is")
+    return None  # any other user of a TT weight keeps the dense weight (reported at the end)
+
+
+def _check_shapes(site: _Site) -> None:
+    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = site.meta()
+    if len(cores) < 2:
+        raise _Decline("a single core is its own dense matrix: nothing to contract")
+    fx_, fw = fake(site.x), fake(site.w)
+    if not isinstance(fx_, torch.Tensor) or not isinstance(fw, torch.Tensor):
+        raise _Decline("no fake value for the input or the weight")
+    if site.kind == "tt_embedding":
+        if transpose:
+            raise _Decline("the TT weight reaches embedding transposed")
+        if fx_.dtype not in (torch.int32, torch.int64):
+            raise _Decline(f"indices of dtype {fx_.dtype}")
+        if site.padding_idx is not None and not isinstance(site.padding_idx, int):
+            raise _Decline("padding_idx is a traced value, not a constant")
+        return
+    in_features = rows if site.x_times_m else cols
+    if fx_.dim() < 1 or not fx_.is_floating_point() or fx_.shape[-1] != in_features:
+        raise _Decline(f"the input {tuple(fx_.shape)} is not a floating-point tensor with {in_features} features")
+    if site.node.target in _ADDMM or site.node.target is torch.mm:
+        if fx_.dim() != 2:
+            raise _Decline(f"{site.node.target.__name__} of a {fx_.dim()}-D input")
+    if site.bias is not None:
+        fb = fake(site.bias)
+        out_features = cols if site.x_times_m else rows
+        if not isinstance(fb, torch.Tensor) or tuple(fb.shape) != (out_features,):
+            raise _Decline(f"bias of shape {tuple(getattr(fb, 'shape', ()))}; expected ({out_features},)")
+
+
+def _plan(site: _Site, ctx: PassContext) -> None:
+    cores, _, fmt, row_modes, col_modes, rows, cols, transpose = site.meta()
     ranks = core_ranks(fmt, [fake(c).shape for c in cores])
-    n = token_bucket(size_hint(n_tokens))
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    if kind == "tt_linear":
-        plan = plan_tt_linear(fmt, row_modes, col_modes, ranks, n, nbytes, fused=on_gpu)
+    out = fake(site.node)
+    nbytes = out.element_size()
+    cudagraphs = ctx.options.cudagraphs
+    if site.kind == "tt_embedding":
+        n = size_hint(fake(site.x).numel())
+        site.plan = plan_tt_embedding(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
+        site.output = "tables" if site.plan.strategy == "tables" else "dense"
+        return
+    fx_ = fake(site.x)
+    n = 1
+    for s in fx_.shape[:-1]:
+        n *= size_hint(s)
+    site.plan = plan_tt_linear(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
+    if site.plan.strategy == "factored":
+        site.output = "factors" if site.x_times_m else "factors_t"
     else:
-        plan = plan_tt_embedding(fmt, row_modes, col_modes, ranks, n, nbytes)
-    return plan.describe()
+        site.output = "dense_t" if transpose else "dense"
 
 
-def _commit(kind: str, node: fx.Node, new: fx.Node, w: fx.Node, ctx: PassContext, summary: str,
-            n_tokens, dtype: torch.dtype, on_gpu: bool) -> bool:
-    """Check and commit ``new`` in place of ``node``; record the rewrite with its plan, or the skip."""
-    cores, _, fmt, row_modes, col_modes, *_ = _meta(w)
-    where = module_name(node)
-    try:
-        checked_replace(node, new, erase=[w])
-    except RewriteRejected as exc:
-        ctx.skip(kind, str(exc), where)
-        return False
-    shared = " (the dense weight is still formed for its other users)" if w.graph is not None and w.users else ""
-    ctx.rewrite(kind, where, f"{summary}, {len(cores)} cores{shared}\n" + _plan_text(
-        kind, n_tokens, cores, fmt, row_modes, col_modes, dtype, on_gpu))
-    return True
+@dataclasses.dataclass
+class _Group:
+    key: tuple
+    anchor: fx.Node
+    members: list[fx.Node]  # tt_materialize nodes, one slot each
+    sites: list[_Site]
+    parts: list[list[fx.Node]] = dataclasses.field(default_factory=list)
+    call: fx.Node | None = None
 
 
-def _rewrite_linear(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassContext) -> bool:
-    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = _meta(w)
-    where = module_name(node)
-    if not transpose:
-        ctx.skip("tt_linear", "the TT weight is used untransposed by linear (a tied embedding used as a "
-                 "head); tt_linear computes x @ M, not x @ M.T", where)
-        return False
-    x = node.args[0]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    out_dtype = fake(node).dtype
-    with gm.graph.inserting_before(node):
-        if fake(x).dtype != out_dtype:  # autocast: the dense linear ran in out_dtype
-            x = gm.graph.call_method("to", (x, out_dtype))
-        if bias is not None and fake(bias).dtype != out_dtype:
-            bias = gm.graph.call_method("to", (bias, out_dtype))
-        new = gm.graph.call_function(torch.ops.comera.tt_linear.default,
-                                     (x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols))
-    fx_ = fake(node.args[0])
-    n_tokens = math.prod(fx_.shape[:-1]) if fx_.dim() > 1 else 1
-    return _commit("tt_linear", node, new, w, ctx, f"{fmt} {rows}->{cols}", n_tokens, out_dtype,
-                   fx_.device.type == "cuda")
+def _group_key(site: _Site) -> tuple:
+    cores, _, fmt, row_modes, col_modes, rows, cols, _ = site.meta()
+    shapes = tuple(tuple(fake(c).shape) for c in cores)
+    fc = fake(cores[0])
+    p = site.plan
+    return (fmt, tuple(row_modes), tuple(col_modes), rows, cols, shapes, site.output, p.split, p.left, p.right,
+            fake(site.node).dtype, str(fc.device))
 
 
-def _rewrite_embedding(gm: fx.GraphModule, node: fx.Node, w: fx.Node, ctx: PassContext) -> bool:
-    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = _meta(w)
-    where = module_name(node)
-    args = list(node.args) + [None] * (7 - len(node.args))
-    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
-    opts = {n: node.kwargs.get(n, a) for n, a in zip(names, args)}
-    if transpose:
-        ctx.skip("tt_embedding", "the TT weight is materialized transposed", where)
-        return False
-    if opts["padding_idx"] is not None:
-        ctx.skip("tt_embedding", f"padding_idx={opts['padding_idx']} (its zero-gradient row has no TT "
-                 "equivalent)", where)
-        return False
-    if opts["max_norm"] is not None or opts["scale_grad_by_freq"] or opts["sparse"]:
-        ctx.skip("tt_embedding", "max_norm / scale_grad_by_freq / sparse are not supported", where)
-        return False
-    idx = opts["input"]
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(torch.ops.comera.tt_embedding.default,
-                                     (idx, cores, gates, fmt, row_modes, col_modes, rows, cols))
-    return _commit("tt_embedding", node, new, w, ctx, f"{fmt} {rows}x{cols}", math.prod(fake(idx).shape),
-                   fake(node).dtype, False)
+def _groups(sites: list[_Site], order: dict[fx.Node, int]) -> list[_Group]:
+    """Sites with the same key share one batched call, placed before the first of them; a member joins
+    only if all its cores and gates exist by then."""
+    groups: list[_Group] = []
+    for site in sorted(sites, key=lambda s: order[s.node]):
+        key = _group_key(site)
+        inputs = site.w.all_input_nodes
+        home = None
+        for g in groups:
+            if g.key == key and (site.w in g.members or len(g.members) < MAX_GROUP) and all(
+                    order[i] < order[g.anchor] for i in inputs):
+                home = g
+                break
+        if home is None:
+            home = _Group(key, site.node, [], [])
+            groups.append(home)
+        if site.w not in home.members:
+            home.members.append(site.w)
+        home.sites.append(site)
+    return groups
+
+
+def _with_fake(node: fx.Node) -> fx.Node:
+    node.meta["example_value"] = fake_node(node)
+    return node
+
+
+def _emit_group(graph: fx.Graph, g: _Group) -> None:
+    site = g.sites[0]
+    _, _, fmt, row_modes, col_modes, rows, cols, _ = site.meta()
+    cores = [list(w.args[0]) for w in g.members]
+    gates = [list(w.args[1]) for w in g.members]
+    dtype = fake(site.node).dtype
+    p = site.plan
+    with graph.inserting_before(g.anchor):
+        call = graph.call_function(tt_runtime.group_outputs, (cores, gates, fmt, row_modes, col_modes, rows, cols,
+                                                              p.split, p.left, p.right, site.output, dtype))
+        g.call = _with_fake(call)
+        per = 2 if site.output in ("factors", "factors_t", "tables") else 1
+        outs = fake(call)
+        for k in range(len(g.members)):
+            items = []
+            for j in range(per):
+                item = graph.call_function(operator.getitem, (call, k * per + j))
+                item.meta["example_value"] = outs[k * per + j]
+                items.append(item)
+            g.parts.append(items)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in g.anchor.meta:
+            call.meta.setdefault(key, g.anchor.meta[key])
+
+
+def _cast(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
+    """``value.to(dtype)`` when it is a tensor of another dtype (autocast's own cast, made explicit)."""
+    if isinstance(value, fx.Node) and fake(value) is not None and fake(value).dtype != dtype:
+        return graph.call_method("to", (value, dtype))
+    return value
+
+
+def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> None:
+    fresh = _match(site.node, materialize)  # earlier rewrites may have replaced the input nodes
+    site.x, site.bias = fresh.x, fresh.bias
+    parts = g.parts[g.members.index(site.w)]
+    node = site.node
+    dtype = fake(node).dtype
+    with graph.inserting_before(node):
+        if site.output in ("dense", "dense_t"):  # the same call, with the group's weight in the site's dtype
+            swap = {site.w: parts[0]}
+            if site.kind == "tt_linear":
+                swap[site.x] = _cast(graph, site.x, dtype)
+                if site.bias is not None:
+                    swap[site.bias] = _cast(graph, site.bias, dtype)
+            new = graph.node_copy(node, lambda n: swap.get(n, n))
+            new.meta.pop("example_value", None)
+            new.meta.pop("val", None)
+        elif site.output == "tables":
+            new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.meta()[5], site.meta()[6],
+                                                          site.padding_idx))
+        else:
+            t = graph.call_function(tt_runtime.project, (site.x, parts[0], dtype))
+            new = graph.call_function(F.linear, (t, parts[1], _cast(graph, site.bias, dtype)))
+    checked_replace(node, new, erase=[site.w])
+
+
+def _detail(site: _Site, group: _Group) -> str:
+    _, _, fmt, _, _, rows, cols, _ = site.meta()
+    shape = f"{rows}x{cols}" if site.kind == "tt_embedding" else (
+        f"{rows}->{cols}" if site.x_times_m else f"{cols}->{rows} (x @ Mᵀ)")
+    share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
+        if len(group.members) > 1 else ""
+    return f"{fmt} {shape}, {len(site.meta()[0])} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
 
 
 def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Replace linear/embedding of a ``tt_materialize`` weight by ``tt_linear``/``tt_embedding``."""
-    import comera_compile.kernels.tt_embedding  # noqa: F401  (define the ops)
-    import comera_compile.kernels.tt_linear  # noqa: F401
-
+    """Lower every TT site of ``gm`` (see the module doc); returns the number of sites rewritten."""
     materialize = _materialize_targets()
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    sites: list[_Site] = []
+    for node in list(graph.nodes):
+        try:
+            site = _match(node, materialize)
+            if site is None:
+                continue
+            _check_shapes(site)
+            _plan(site, ctx)
+        except _Decline as reason:
+            ctx.skip(NAME, str(reason), module_name(node))
+            continue
+        sites.append(site)
     count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        is_linear, is_embedding = node.target in _LINEAR, node.target in _EMBEDDING
-        if not (is_linear or is_embedding):
-            continue
-        w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target in materialize):
-            continue
-        done = _rewrite_linear(gm, node, w, ctx) if is_linear else _rewrite_embedding(gm, node, w, ctx)
-        count += int(done)
-    for node in gm.graph.nodes:
+    for g in _groups(sites, order):
+        _emit_group(graph, g)
+        for site in g.sites:
+            where = module_name(site.node)
+            try:
+                _rewrite_site(graph, g, site, materialize)
+            except RewriteRejected as exc:
+                ctx.skip(site.kind, str(exc), where)
+                continue
+            ctx.rewrite(site.kind, where, _detail(site, g))
+            count += 1
+        erase_unused([n for items in g.parts for n in items] + [g.call])
+    for node in graph.nodes:
         if node.op == "call_function" and node.target in materialize:
             users = ", ".join(u.name for u in node.users)
-            ctx.skip("tensor_network", f"tt_materialize still forms a dense weight for: {users}",
-                     module_name(node))
+            ctx.skip(NAME, f"tt_materialize still forms a dense weight for: {users}", module_name(node))
     return count
 
 

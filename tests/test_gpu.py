@@ -60,7 +60,35 @@ def test_tt_and_cce_model_matches_eager_on_gpu(mode):
             err = (g[k] - rg[k]).norm() / rg[k].norm().clamp_min(1e-12)
             assert err < 2e-2, (k, float(err))
     report = cc.explain(copy.deepcopy(ref), idx)
-    assert sorted(r.kind for r in report.rewrites) == ["cce", "tt_embedding", "tt_linear", "tt_linear"]
+    assert sorted(r.kind for r in report.rewrites if r.kind != "cce") == ["tt_embedding", "tt_linear", "tt_linear"]
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_tt_head_fused_with_its_loss_on_gpu(mode):
+    """A TT head lowered to its rank-16 factors, the loss fused over them (forced: cce_min_vocab=0),
+    in bf16 autocast, with and without CUDA graphs; against the eager TT model."""
+    torch.manual_seed(0)
+    model = TTMLP()
+    cc.tensorize_(model, cc.TTConfig(rank=16, fmt="tt"), filter_fn=lambda m, fqn: fqn in ("up", "down", "head"))
+    model = model.cuda()
+    ref = copy.deepcopy(model)
+    idx = torch.randint(0, 4096, (8, 64), device="cuda")
+    report = cc.explain(copy.deepcopy(model), idx, options={"cce_min_vocab": 0})
+    assert any(r.kind == "cce" and "D=16" in r.detail for r in report.rewrites), str(report)
+    compiled = torch.compile(model, backend="comera", mode=mode, options={"cce_min_vocab": 0})
+    for step in range(3):
+        model.zero_grad()
+        ref.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(idx)
+            ref_loss = ref(idx)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
+        g, rg = _grads(model), _grads(ref)
+        for k in rg:
+            err = (g[k].float() - rg[k].float()).norm() / rg[k].float().norm().clamp_min(1e-12)
+            assert err < 5e-2, (k, float(err))
 
 
 def test_gpt_bf16_autocast_cce_on_gpu():

@@ -1,6 +1,7 @@
-"""comera::tt_embedding against an independent dense reference (float64 gradcheck of every core and
-gate, TT-matrix and TT formats, 2 to 4+ cores, odd sizes, repeated indices), the Triton kernels under
-the interpreter (fp32, with and without de-duplication), and torch.compile(backend="aot_eager")."""
+"""tt_embedding and the executor's lookup against an independent dense reference (float64 gradcheck
+of every core and gate at every table split and the dense path, TT-matrix and TT formats, 2 to 5
+cores, odd sizes, repeated indices), nn.Embedding's errors for bad indices, padding_idx, and
+torch.compile(backend="aot_eager")."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pathlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import comera_compile  # noqa: F401
-from comera_compile.kernels.tt_embedding import tt_embedding, use_dedup
-from comera_compile.kernels.tt_linear import use_impl
-from comera_compile.planner import plan_tt_embedding
+from comera_compile import planner, tt_runtime
+from comera_compile.kernels.tt_embedding import tt_embedding
 
 _spec = importlib.util.spec_from_file_location("_tt_reference", pathlib.Path(__file__).with_name("tt_reference.py"))
 ref = importlib.util.module_from_spec(_spec)
@@ -38,73 +39,92 @@ def _indices(rows, shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, rows, shape, generator=g)
     idx.view(-1)[:3] = idx.view(-1)[-1]  # repeated rows
-    idx.view(-1)[3] = rows - 1  # the last (padded-boundary) row
+    idx.view(-1)[3] = rows - 1  # the last row before the padding
     return idx
 
 
+def _lookup(case, split, idx, cores, gates, padding_idx=None):
+    fmt, rm, cm, ranks, rows, cols = case
+    left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
+    right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
+    A, B = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, split, left, right, "tables",
+                                    cores[0].dtype)
+    return tt_runtime.lookup(idx, A, B, rows, cols, padding_idx)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_gradcheck_float64(case):
+def test_tables_at_every_split_gradcheck_float64(case):
     fmt, rm, cm, ranks, rows, cols = case
     cores, gates = ref.make_cores(fmt, rm, cm, ranks)
+    d = len(cores)
     idx = _indices(rows, (2, 5))
-    d = len(cores)
     leaves = [t.requires_grad_() for t in [*cores, *gates]]
+    expect = ref.embedding_reference(idx, cores, gates, fmt, rm, cm, rows, cols)
+    for split in range(1, d):
+        (il, ol, r), (ir, orr, _) = planner.table_shapes(fmt, rm, cm, ranks, split)
+        assert il * ir == math.prod(rm) and ol * orr == math.prod(cm)
+        torch.testing.assert_close(_lookup(case, split, idx, cores, gates), expect)
 
-    def fn(*p):
-        return tt_embedding(idx, p[:d], p[d:], fmt, rm, cm, rows, cols)
+        def fn(*leaves):
+            return _lookup(case, split, idx, list(leaves[:d]), list(leaves[d:]))
 
-    with use_impl("torch"):
-        assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
-        y = fn(*leaves)
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, leaves, dy)
-    y_ref = ref.embedding_reference(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
-    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-    for gr, gref in zip(grads, torch.autograd.grad(y_ref, leaves, dy)):
-        torch.testing.assert_close(gr, gref, rtol=1e-9, atol=1e-9)
+        assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True), split
 
 
-@pytest.mark.parametrize("dedup,program", [(True, False), (False, False), (True, True)],
-                         ids=["dedup", "no-dedup", "dedup-program"])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_triton_interpreter_matches_reference(case, dedup, program, monkeypatch):
-    from comera_compile.kernels import tt_embedding as mod
-
-    calls = []
-    for name in ("_run_program", "_fwd_triton", "_bwd_triton"):
-        orig = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
+def test_tt_embedding_matches_reference(case):
     fmt, rm, cm, ranks, rows, cols = case
-    cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32, seed=2)
-    idx = _indices(rows, (19,), seed=4)
-    d = len(cores)
+    cores, gates = ref.make_cores(fmt, rm, cm, ranks)
     leaves = [t.requires_grad_() for t in [*cores, *gates]]
-    from comera_compile.kernels.tt_linear import use_program
-
-    with use_impl("triton"), use_dedup(dedup), use_program(program):
-        y = tt_embedding(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, leaves, dy)
-    assert set(calls) == {"_fwd_triton", "_bwd_triton"} | ({"_run_program"} if program else set()), calls
-    l64 = [t.detach().double().requires_grad_() for t in leaves]
-    y_ref = ref.embedding_reference(idx, l64[:d], l64[d:], fmt, rm, cm, rows, cols)
-    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
-    for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
-        torch.testing.assert_close(gr.double(), gref, rtol=1e-4, atol=1e-4)
+    idx = _indices(rows, (3, 4), seed=2)
+    y = tt_embedding(idx, cores, gates, fmt, rm, cm, rows, cols)
+    y_ref = ref.embedding_reference(idx, cores, gates, fmt, rm, cm, rows, cols)
+    torch.testing.assert_close(y, y_ref)
+    dy = torch.randn_like(y)
+    for g, g_ref in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(y_ref, leaves, dy)):
+        torch.testing.assert_close(g, g_ref)
 
 
-def test_never_vocabulary_sized():
-    """The gathered tables (and so their gradients) are far smaller than the vocabulary."""
+@pytest.mark.parametrize("bad", [-1, 55, 57, 10_000], ids=["negative", "first-padding-row", "last-padding-row",
+                                                           "past-padding"])
+def test_out_of_range_indices_raise_like_nn_embedding(bad):
+    case = CASES[1]  # 55 rows padded to 60
+    fmt, rm, cm, ranks, rows, cols = case
+    cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32)
+    idx = torch.tensor([[1, 2], [bad, 3]])
+    with pytest.raises(IndexError):
+        F.embedding(idx, torch.zeros(rows, cols))  # what eager does
+    with pytest.raises(IndexError, match="index out of range"):
+        _lookup(case, 1, idx, cores, gates)
+    with pytest.raises(IndexError, match="index out of range"):
+        tt_embedding(idx, cores, gates, fmt, rm, cm, rows, cols)
+
+
+def test_padding_idx_passes_no_gradient():
+    case = CASES[2]
+    fmt, rm, cm, ranks, rows, cols = case
+    cores, gates = ref.make_cores(fmt, rm, cm, ranks)
+    leaves = [t.requires_grad_() for t in [*cores, *gates]]
+    d = len(cores)
+    idx = _indices(rows, (4, 6), seed=5)
+    idx[0, :2] = 7
+    y = _lookup(case, 2, idx, leaves[:d], leaves[d:], padding_idx=7 - rows)  # negative form, as F.embedding takes
+    w = ref.dense_matrix(leaves[:d], leaves[d:], fmt, rm, cm)[:rows, :cols]
+    y_ref = F.embedding(idx, w, padding_idx=7)
+    torch.testing.assert_close(y, y_ref)
+    dy = torch.randn_like(y)
+    for g, g_ref in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(y_ref, leaves, dy)):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_tables_are_far_smaller_than_the_dense_table():
     for fmt, rm, cm, ranks in [("ttm", (16, 20, 10, 10), (4, 4, 8, 6), (1, 32, 32, 32, 1)),
-                               ("ttm", (40, 50, 50, 100), (4, 4, 2, 2), (1, 32, 32, 32, 1)),
                                ("tt", (16, 20, 10, 10), (4, 4, 8, 6), (1, 8, 8, 8, 8, 8, 8, 8, 1))]:
-        plan = plan_tt_embedding(fmt, rm, cm, ranks, 8192)
+        plan = planner.plan_tt_embedding(fmt, rm, cm, ranks, 8192)
+        assert plan.strategy == "tables"
         vocab = math.prod(rm)
         (il, ol, r), (ir, orr, _) = plan.table_shapes
-        assert il * ir == vocab and ol * orr == math.prod(cm)
-        assert il < vocab and ir < vocab
-        assert il * ol * r + ir * orr * r < vocab * math.prod(cm) / 20
-        assert "tables" in plan.describe()
+        assert il * ol * r + ir * orr * r < vocab * math.prod(cm) / 4  # far below the dense table
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -136,36 +156,24 @@ def test_opcheck():
             list(rm), list(cm), rows, cols]
     torch.library.opcheck(torch.ops.comera.tt_embedding.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.comera.tt_index_split.default, [_indices(rows, (6,)), rows, 5],
+                          test_utils=("test_schema", "test_faketensor"))
 
 
-def test_low_precision_cores():
-    """bf16 cores: tables merged in fp32, rows and gradients returned in bf16."""
-    fmt, rm, cm, ranks, rows, cols = CASES[2]
+def test_low_precision_scalar_and_empty_indices():
+    case = CASES[2]
+    fmt, rm, cm, ranks, rows, cols = case
     cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.bfloat16, seed=3)
-    d = len(cores)
-    leaves = [t.requires_grad_() for t in [*cores, *gates]]
     idx = _indices(rows, (17,), seed=9)
-    y = tt_embedding(idx, leaves[:d], leaves[d:], fmt, rm, cm, rows, cols)
-    dy = torch.randn_like(y)
-    grads = torch.autograd.grad(y, leaves, dy)
-    assert y.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
-    l64 = [t.detach().double().requires_grad_() for t in leaves]
-    y_ref = ref.embedding_reference(idx, l64[:d], l64[d:], fmt, rm, cm, rows, cols)
-    torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2)
-    for gr, gref in zip(grads, torch.autograd.grad(y_ref, l64, dy.double())):
-        torch.testing.assert_close(gr.double(), gref, rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_scalar_and_empty_indices(impl):
-    fmt, rm, cm, ranks, rows, cols = CASES[1]
-    cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32)
-    d = len(cores)
-    with use_impl(impl):
-        y = tt_embedding(torch.tensor(rows - 1), cores, gates, fmt, rm, cm, rows, cols)
-        torch.testing.assert_close(y.double(), ref.embedding_reference(
-            torch.tensor(rows - 1), [c.double() for c in cores], [g.double() for g in gates], fmt, rm, cm, rows,
-            cols), rtol=1e-5, atol=1e-5)
-        assert tt_embedding(torch.zeros(0, 3, dtype=torch.long), cores, gates, fmt, rm, cm, rows, cols).shape == \
-            (0, 3, cols)
-    assert d == 3
+    y = tt_embedding(idx, cores, gates, fmt, rm, cm, rows, cols)
+    assert y.dtype == torch.bfloat16
+    y_ref = ref.embedding_reference(idx, [c.double() for c in cores], [g.double() for g in gates], fmt, rm, cm,
+                                    rows, cols)
+    torch.testing.assert_close(y.double(), y_ref, rtol=3e-2, atol=3e-2)
+    c32, g32 = [c.float() for c in cores], [g.float() for g in gates]
+    one = tt_embedding(torch.tensor(rows - 1), c32, g32, fmt, rm, cm, rows, cols)
+    assert one.shape == (cols,)
+    torch.testing.assert_close(one.double(), ref.embedding_reference(
+        torch.tensor(rows - 1), [c.double() for c in c32], [g.double() for g in g32], fmt, rm, cm, rows, cols),
+        rtol=1e-5, atol=1e-5)
+    assert tt_embedding(torch.zeros(0, 3, dtype=torch.long), c32, g32, fmt, rm, cm, rows, cols).shape == (0, 3, cols)

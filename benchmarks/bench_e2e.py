@@ -1,0 +1,399 @@
+"""Whole training steps, dense against tensorized, side by side in one run (one GPU).
+
+    python benchmarks/bench_e2e.py                       # every variant of both models
+    python benchmarks/bench_e2e.py --model encoder --variants dense-inductor-cg,tt-cg
+    python benchmarks/bench_e2e.py --smoke               # CPU: tiny models, a few steps (checks the script)
+
+A step is forward + backward + ``optimizer.step()`` + ``zero_grad(set_to_none=True)``, the loss inside
+the compiled region, AdamW with ``fused=True`` (the fast path on CUDA for many small tensors).
+Models:
+
+* ``encoder``: CoMERA's six-encoder MNLI transformer (d 768, FFN 3072, 12 heads, vocab 30522, 512
+  positions, 2 token types; BERT-style embeddings, post-norm encoder, pooler + 3-class classifier on the
+  first token), batch 32 x 128. ``tt``: ``tensorize_(model, TTConfig(rank=30))``; ``ttm``: every Linear as a
+  TT-matrix at the rank that gives the same parameter count (embeddings as in ``tt``).
+* ``llama``: a Llama-style causal LM from a ``transformers`` config (d 1024, 8 layers, 16 heads,
+  FFN 4096, vocab 128256), 8 x 1024 tokens, the user's shifted cross-entropy outside the HF model but
+  inside the compiled region. ``tt``: every Linear and the token embedding at rank 32.
+
+Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
+(inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
+``tt`` / ``tt-cg`` (``backend="comera"`` default / with CUDA graphs), ``tt-fp32`` / ``tt-fp32-cg``,
+``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32.
+
+Each variant runs in its own process: all of them build, compile and warm up concurrently, then take
+turns on the GPU for the timed steps, so no two timings overlap. Reported per variant: median step time
+(CUDA events), peak memory allocated and reserved (``max_memory_reserved`` includes CUDA-graph pools),
+kernels per step and GPU time by kind (profiler), compile time (the warm-up steps minus steady steps),
+parameters. The table goes to stdout; ``--json`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import comera_compile as cc  # noqa: E402
+
+ALL = {
+    "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-cg", "tt-fp32", "tt-fp32-cg",
+                "ttm", "ttm-cg"],
+    "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-cg"],
+}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm BERT encoder layer with separate Q/K/V/O projections."""
+
+    def __init__(self, d: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln1 = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(z):
+            return z.view(b, t, h, d // h).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        x = self.ln1(x + self.o(a.transpose(1, 2).reshape(b, t, d)))
+        return self.ln2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+class SixEncoder(nn.Module):
+    """CoMERA's MNLI model: BERT embeddings, six post-norm encoder layers, pooler, classifier."""
+
+    def __init__(self, vocab=30522, d=768, layers=6, heads=12, ffn=3072, positions=512, classes=3):
+        super().__init__()
+        self.word = nn.Embedding(vocab, d)
+        self.position = nn.Embedding(positions, d)
+        self.token_type = nn.Embedding(2, d)
+        self.ln = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(EncoderLayer(d, heads, ffn) for _ in range(layers))
+        self.pooler = nn.Linear(d, d)
+        self.classifier = nn.Linear(d, classes)
+
+    def forward(self, ids: torch.Tensor, token_types: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.ln(self.word(ids) + self.position(pos) + self.token_type(token_types))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.classifier(torch.tanh(self.pooler(x[:, 0])))
+        return F.cross_entropy(logits.float(), labels)
+
+
+class CausalLMLoss(nn.Module):
+    """A transformers causal LM with the user's own shifted cross-entropy."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits
+        v = logits.shape[-1]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), ids[:, 1:].reshape(-1))
+
+
+def build(model_name: str, smoke: bool) -> tuple[nn.Module, callable]:
+    """The model and a function making one (fresh) batch on a device."""
+    if model_name == "encoder":
+        if smoke:
+            model = SixEncoder(vocab=1000, d=64, layers=2, heads=4, ffn=128, positions=64)
+            batch, seq, vocab = 4, 16, 1000
+        else:
+            model = SixEncoder()
+            batch, seq, vocab = 32, 128, 30522
+
+        def make(device, gen):
+            ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+            types = torch.randint(0, 2, (batch, seq), device=device, generator=gen)
+            labels = torch.randint(0, 3, (batch,), device=device, generator=gen)
+            return ids, types, labels
+
+        return model, make
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if smoke:
+        cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+        batch, seq = 2, 32
+    else:
+        cfg = LlamaConfig(vocab_size=128256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                          num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
+        batch, seq = 8, 1024
+    cfg._attn_implementation = "sdpa"
+    model = CausalLMLoss(LlamaForCausalLM(cfg))
+
+    def make(device, gen):
+        return (torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=gen),)
+
+    return model, make
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def tensorize(model: nn.Module, model_name: str, fmt: str) -> None:
+    if model_name == "encoder":
+        rank = 30 if fmt == "tt" else _iso_rank(model)
+        if fmt == "tt":
+            cc.tensorize_(model, cc.TTConfig(rank=30))
+        else:  # linears as TT-matrices at equal parameters; embeddings as "tt" r30 does them
+            cc.tensorize_(model, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30),
+                                  "_default": cc.TTConfig(rank=rank, fmt="ttm")})
+        return
+    cc.tensorize_(model, cc.TTConfig(rank=32))
+
+
+def _iso_rank(model: nn.Module) -> int:
+    """The TT-matrix rank whose model has about as many parameters as ``tt`` r30's."""
+    import copy
+
+    ref = copy.deepcopy(model).to("meta")
+    cc.tensorize_(ref, cc.TTConfig(rank=30))
+    target = _count(ref)
+    best = None
+    for r in range(4, 65, 2):
+        m = copy.deepcopy(model).to("meta")
+        cc.tensorize_(m, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30), "_default": cc.TTConfig(rank=r, fmt="ttm")})
+        gap = abs(_count(m) - target)
+        if best is None or gap < best[0]:
+            best = (gap, r)
+    return best[1]
+
+
+# ----------------------------------------------------------------------------- one variant
+
+
+def _kernel_stats(step, device) -> dict:
+    """Kernels per step and GPU time by kind, from the profiler over 3 steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize(device)
+    kinds = {"gemm": 0.0, "inductor": 0.0, "adam": 0.0, "other": 0.0}
+    count = 0
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name.lower()
+        if name.startswith(("memcpy", "memset")):
+            continue
+        count += 1
+        t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+        if any(k in name for k in ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
+            kinds["gemm"] += t
+        elif name.startswith("triton"):
+            kinds["inductor"] += t
+        elif "adam" in name or "multi_tensor" in name:
+            kinds["adam"] += t
+        else:
+            kinds["other"] += t
+    return {"kernels_per_step": count / 3, **{f"gpu_ms_{k}": v / 3e3 for k, v in kinds.items()}}
+
+
+def run_variant(model_name: str, variant: str, args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    torch.manual_seed(0)
+    model, make = build(model_name, args.smoke)
+    dense_params = _count(model)
+    fmt = "ttm" if variant.startswith("ttm") else "tt"
+    if not variant.startswith("dense"):
+        tensorize(model, model_name, fmt)
+    model = model.to(device)
+    params = _count(model)
+    fp32 = "fp32" in variant
+    cg = variant.endswith("-cg")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if variant == "dense-eager":
+        fn = model
+    elif variant.startswith("dense-inductor"):
+        fn = torch.compile(model, mode="reduce-overhead" if cg else None)
+    else:
+        options = {"inner": "aot_eager"} if args.smoke else {}
+        if variant == "dense-comera" and not args.smoke:
+            options = {}
+        fn = torch.compile(model, backend="comera", mode="reduce-overhead" if cg else None, options=options or None)
+    gen = torch.Generator(device=device).manual_seed(1)
+    batches = [make(device, gen) for _ in range(4)]
+    autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
+    it = [0]
+
+    def step():
+        batch = batches[it[0] % len(batches)]
+        it[0] += 1
+        with autocast:
+            loss = fn(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    t0 = time.perf_counter()
+    warm = []
+    for _ in range(args.warmup):
+        s = time.perf_counter()
+        loss = step()
+        sync()
+        warm.append(time.perf_counter() - s)
+    first_loss = float(loss)
+    _wait_turn(args)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(args.steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            loss = step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        stats = _kernel_stats(step, device)
+        peak_alloc = torch.cuda.max_memory_allocated(device) / 2**20
+        peak_res = torch.cuda.max_memory_reserved(device) / 2**20
+    else:
+        times = []
+        for _ in range(args.steps):
+            s = time.perf_counter()
+            loss = step()
+            times.append(1e3 * (time.perf_counter() - s))
+        stats, peak_alloc, peak_res = {}, float("nan"), float("nan")
+    _done_turn(args)
+    times.sort()
+    median = times[len(times) // 2]
+    compile_s = sum(warm) - len(warm) * median / 1e3
+    return {"model": model_name, "variant": variant, "step_ms": median, "step_ms_min": times[0],
+            "peak_alloc_mib": peak_alloc, "peak_reserved_mib": peak_res, "compile_s": compile_s,
+            "first_loss": first_loss, "last_loss": float(loss), "params": params, "dense_params": dense_params,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "wall_s": time.perf_counter() - t0, **stats}
+
+
+# ----------------------------------------------------------------------------- turn-taking
+
+
+def _wait_turn(args) -> None:
+    """Block until the file ``args.turn`` holds this variant's index (the driver's turn order)."""
+    if not args.turn:
+        return
+    Path(args.turn + f".ready{args.index}").touch()
+    while int(Path(args.turn).read_text() or -1) != args.index:
+        time.sleep(0.2)
+
+
+def _done_turn(args) -> None:
+    if args.turn:
+        Path(args.turn).write_text(str(args.index + 1))
+
+
+def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
+    """Run every (model, variant) in its own process: concurrent compiles, timings one at a time."""
+    tmp = tempfile.mkdtemp(prefix="bench_e2e_")
+    turn = os.path.join(tmp, "turn")
+    Path(turn).write_text("-1")
+    procs = []
+    for i, (model_name, variant) in enumerate(jobs):
+        out = os.path.join(tmp, f"{i}.json")
+        cmd = [sys.executable, __file__, "--model", model_name, "--variants", variant, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--turn", turn, "--index", str(i), "--out-one", out]
+        if args.smoke:
+            cmd.append("--smoke")
+        log = open(os.path.join(tmp, f"{i}.log"), "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log.name, variant))
+    # turns go in order once a variant is warm; a variant that died is skipped
+    for i, (p, out, logname, variant) in enumerate(procs):
+        while not Path(turn + f".ready{i}").exists() and p.poll() is None:
+            time.sleep(0.5)
+        Path(turn).write_text(str(i))
+        while int(Path(turn).read_text()) == i and p.poll() is None:
+            time.sleep(0.2)
+    results = []
+    for p, out, logname, variant in procs:
+        p.wait()
+        if os.path.exists(out):
+            results.append(json.loads(Path(out).read_text()))
+        else:
+            tail = Path(logname).read_text()[-3000:]
+            print(f"--- {variant} failed:\n{tail}", flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'model':<8} {'variant':<18} {'step ms':>8} {'vs dense':>8} {'alloc MiB':>9} {'resv MiB':>9} "
+            f"{'kernels':>8} {'gemm ms':>8} {'ind ms':>7} {'other ms':>8} {'adam ms':>7} {'compile s':>9} {'params':>11}")
+    lines = [head]
+    for r in results:
+        ref = next((x for x in results if x["model"] == r["model"] and x["variant"] == (
+            "dense-inductor-cg" if r["variant"].endswith("-cg") else "dense-inductor")), None)
+        vs = r["step_ms"] / ref["step_ms"] if ref else float("nan")
+        lines.append(f"{r['model']:<8} {r['variant']:<18} {r['step_ms']:8.2f} {vs:8.2f} {r['peak_alloc_mib']:9.0f} "
+                     f"{r['peak_reserved_mib']:9.0f} {r.get('kernels_per_step', float('nan')):8.0f} "
+                     f"{r.get('gpu_ms_gemm', float('nan')):8.2f} {r.get('gpu_ms_inductor', float('nan')):7.2f} "
+                     f"{r.get('gpu_ms_other', float('nan')):8.2f} {r.get('gpu_ms_adam', float('nan')):7.2f} "
+                     f"{r['compile_s']:9.1f} {r['params']:11,}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["encoder", "llama", "all"], default="all")
+    ap.add_argument("--variants", default=None, help="comma-separated (default: all of the model's)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, inner aot_eager: checks the script")
+    ap.add_argument("--serial", action="store_true", help="run the variants one after another in this process")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--turn", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out-one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.out_one:
+        (variant,) = args.variants.split(",")
+        Path(args.out_one).write_text(json.dumps(run_variant(args.model, variant, args)))
+        return []
+    models = ["encoder", "llama"] if args.model == "all" else [args.model]
+    jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])
+            if v in ALL[m]]
+    if args.serial:
+        results = [run_variant(m, v, args) for m, v in jobs]
+    else:
+        results = drive(jobs, args)
+    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}; median of {args.steps} steps; 'vs dense': against dense inductor in the same "
+          "mode (CUDA graphs or not)")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

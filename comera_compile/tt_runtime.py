@@ -1,0 +1,168 @@
+"""The TT executor: what a tensor-train layer computes, shared by eager calls and compiled graphs.
+
+Everything here is plain, differentiable torch, so the same functions serve three callers:
+
+* the ``tensor_network`` pass puts calls to them into the Dynamo graph (AOTAutograd then traces them:
+  their backward is derived, and Inductor fuses the elementwise work around the GEMMs);
+* :func:`comera_compile.tt_linear` / :func:`comera_compile.tt_embedding` call them eagerly;
+* tests and benchmarks.
+
+The work of a layer splits into two parts (the plan of :mod:`comera_compile.planner`):
+
+1. **token-independent**: fold each rank gate into the core on its left, cut the chain at bond
+   ``split`` and merge each half in the planned order (:func:`group_outputs`). Layers with the same
+   structure are stacked and merged together, one batched GEMM per merge step for the whole group.
+   Each layer then gets what its token-sized step needs: the two factors of a low-rank product
+   (``"factors"``), its dense weight exactly as ``comera::tt_materialize`` returns it (``"dense"``), or
+   the two gather tables of an embedding lookup (``"tables"``).
+2. **token-sized**: :func:`project` (``x @ F1``, then the caller's own ``F.linear(t, F2, bias)``), a
+   plain ``linear``/``embedding`` with the dense weight, or :func:`lookup`.
+
+Merges run in the site's compute dtype (bf16 under autocast: tensor cores, fp32 accumulation), with
+autocast switched off inside so the dtypes are exactly the ones written here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from comera_compile.planner import Bracket
+
+__all__ = ["OUTPUTS", "chain_modes", "group_outputs", "layer_outputs", "lookup", "project"]
+
+OUTPUTS = ("factors", "factors_t", "dense", "dense_t", "tables")
+
+
+def chain_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> list[tuple[int, int]]:
+    """The (row, column) extent of each core's middle mode: ``(m, 1)`` / ``(1, n)`` for a ``"tt"``
+    row / column core, ``(m, n)`` for a ``"ttm"`` core."""
+    if fmt == "tt":
+        return [(int(m), 1) for m in row_modes] + [(1, int(n)) for n in col_modes]
+    return [(int(m), int(n)) for m, n in zip(row_modes, col_modes)]
+
+
+def _no_autocast(t: torch.Tensor):
+    return torch.autocast(device_type=t.device.type, enabled=False)
+
+
+def _stacked_chain(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Sequence[torch.Tensor]],
+                   modes: list[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per core position: the K layers' cores as [K, r, s, r] (s = m * n), each gate folded into its
+    left core, in ``dtype``."""
+    chain = []
+    for k, (m, n) in enumerate(modes):
+        stack = torch.stack([c[k].reshape(c[k].shape[0], m * n, c[k].shape[-1]) for c in cores])
+        if k < len(modes) - 1:
+            stack = stack * torch.stack([g[k] for g in gates])[:, None, None, :]
+        chain.append(stack.to(dtype))
+    return chain
+
+
+def _merge(chain: list[torch.Tensor], bracket: Bracket) -> torch.Tensor:
+    """Contract a run of stacked chain cores in the bracket's order: [K, r_lo, S, r_hi]."""
+    if isinstance(bracket, int):
+        return chain[bracket]
+    a, b = _merge(chain, bracket[0]), _merge(chain, bracket[1])
+    K, r0, sa, r1 = a.shape
+    sb, r2 = b.shape[2], b.shape[3]
+    out = torch.bmm(a.reshape(K, r0 * sa, r1), b.reshape(K, r1, sb * r2))
+    return out.reshape(K, r0, sa * sb, r2)
+
+
+def _to_rows_cols(t: torch.Tensor, modes: list[tuple[int, int]], rank_first: bool) -> torch.Tensor:
+    """A merged half [K, (m1 n1 m2 n2 ...), r] (or [K, r, ...] when ``rank_first``) as
+    [K, prod m, prod n, r]: the modes regrouped rows first (a view for ``"tt"``, a copy for ``"ttm"``)."""
+    K, r = t.shape[0], t.shape[1] if rank_first else t.shape[-1]
+    shape = [K] + ([r] if rank_first else []) + [v for mn in modes for v in mn] + ([] if rank_first else [r])
+    t = t.reshape(shape)
+    first = 2 if rank_first else 1
+    rows = [first + 2 * i for i in range(len(modes))]
+    cols = [first + 2 * i + 1 for i in range(len(modes))]
+    rank = [1] if rank_first else [len(shape) - 1]
+    t = t.permute([0] + rows + cols + rank)
+    return t.reshape(K, math.prod(m for m, _ in modes), math.prod(n for _, n in modes), r)
+
+
+def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Sequence[torch.Tensor]], fmt: str,
+                  row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int, split: int,
+                  left: Bracket, right: Bracket, output: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The token-independent work of K layers of one structure, batched; per layer, in order:
+
+    * ``"factors"``: ``(F1, F2)`` with ``x @ M = linear(x @ F1, F2)``: F1 = L[:rows] [rows, r],
+      F2 = R[:, :cols]ᵀ [cols, r] (``"tt"`` cut between its row and column modes);
+    * ``"factors_t"``: the same for ``x @ Mᵀ`` (a tied head): F1 = R[:, :cols]ᵀ, F2 = L[:rows];
+    * ``"dense"`` / ``"dense_t"``: ``M[:rows, :cols]`` / its transpose, as ``tt_materialize`` gives it;
+    * ``"tables"``: ``(A, B)``, A [I_L, O_L, r] and B [I_R, O_R, r] for :func:`lookup`.
+    """
+    if output not in OUTPUTS:
+        raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
+    modes = chain_modes(fmt, row_modes, col_modes)
+    with _no_autocast(cores[0][0]):
+        chain = _stacked_chain(cores, gates, modes, dtype)
+        L = _merge(chain, left)[:, 0]  # [K, S_L, r]
+        R = _merge(chain, right)[..., 0]  # [K, r, S_R]
+        if output in ("factors", "factors_t"):
+            f1, f2 = L[:, :rows], R[:, :, :cols].transpose(1, 2)
+            if output == "factors_t":
+                f1, f2 = f2, f1
+            return _per_layer(f1, f2)
+        if output == "tables":
+            return _per_layer(_to_rows_cols(L, modes[:split], rank_first=False),
+                              _to_rows_cols(R, modes[split:], rank_first=True))
+        P, Q = math.prod(row_modes), math.prod(col_modes)
+        K = L.shape[0]
+        full = torch.bmm(L, R)  # [K, S_L, S_R]: chain order
+        if fmt == "ttm":
+            full = _to_rows_cols(full.reshape(K, -1, 1), modes, rank_first=False)
+        m = full.reshape(K, P, Q)[:, :rows, :cols]
+        if output == "dense_t":
+            m = m.transpose(1, 2)
+        return _per_layer(m)
+
+
+def _per_layer(*stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Layer k's slices of each stacked tensor, interleaved: ``unbind`` (whose backward is one ``stack``,
+    so every layer's gradient lands in one buffer for the batched merge backward)."""
+    parts = [t.unbind(0) for t in stacked]
+    return tuple(p[k] for k in range(stacked[0].shape[0]) for p in parts)
+
+
+def project(x: torch.Tensor, f1: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The first factor of a low-rank product: ``x @ F1`` in ``dtype`` (the rank-sized activations)."""
+    with _no_autocast(x):
+        return torch.matmul(x.to(dtype), f1)
+
+
+def lookup(indices: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rows: int, cols: int,
+           padding_idx: int | None = None) -> torch.Tensor:
+    """Embedding rows ``M[indices, :cols]`` from the tables of :func:`group_outputs`: row ``i = iL * I_R +
+    iR`` is ``A[iL] · B[iR]ᵀ`` ([O_L, O_R] flattened row-major). Indices outside ``[0, rows)`` raise
+    like ``nn.Embedding``'s (IndexError on the CPU, a device-side assert on the GPU). Lookups of
+    ``padding_idx`` pass no gradient, as in ``F.embedding``."""
+    import comera_compile.kernels.tt_embedding  # noqa: F401  (defines comera::tt_index_split)
+
+    ir, orr = B.shape[0], B.shape[1]
+    flat = indices.reshape(-1)
+    il_idx, ir_idx = torch.ops.comera.tt_index_split(flat, rows, ir)
+    with _no_autocast(A):
+        if ir == 1 and A.shape[1] == 1:  # "tt" cut between rows and columns: one GEMM
+            out = torch.matmul(A[il_idx, 0], B[0].t())
+        else:
+            out = torch.bmm(A[il_idx], B[ir_idx].transpose(1, 2)).reshape(flat.shape[0], A.shape[1] * orr)
+    out = out[:, :cols]
+    if padding_idx is not None:
+        pad = padding_idx + rows if padding_idx < 0 else padding_idx
+        out = torch.where((flat == pad)[:, None], out.detach(), out)
+    return out.reshape(*indices.shape, cols)
+
+
+def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], fmt: str,
+                  row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int, plan,
+                  output: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`group_outputs` for one layer, with the cut and merge orders of ``plan``."""
+    return group_outputs([list(cores)], [list(gates)], fmt, row_modes, col_modes, rows, cols, plan.split,
+                         plan.left, plan.right, output, dtype)
+
