@@ -1,0 +1,93 @@
+"""Optimizer parameter groups for tensorized models: TT cores, rank gates, and the rest.
+
+A tensor-train weight is a product of cores and rank gates, and the two want different treatment
+from the optimizer than a dense matrix does:
+
+* **Rank gates** start at 1 and are pruned when they fall below a small threshold
+  (:class:`~comera_compile.RankAdaptation`). Under Adam a parameter moves by at most about its
+  learning rate per step, so at the model's learning rate (1e-3) a gate needs ~1000 steps to
+  reach the threshold however strong the size penalty is. Gates get their own, larger learning rate
+  (CoMERA trains them at 10x the cores' rate) and no weight decay (decay would shrink every rank
+  uniformly, which is the size penalty's job, done per rank).
+* **Cores** get the model's learning rate. Weight decay on the cores of a ``d``-core product acts on
+  the weight roughly ``d`` times over, so it is off by default.
+* **Everything else** follows the usual GPT recipe: decay on matrices and embeddings, none on
+  biases and norm weights (parameters with fewer than 2 dimensions).
+
+``torch.optim.AdamW(cc.param_groups(model, lr=1e-3))`` builds an optimizer with these groups. Every
+trainable parameter appears in exactly one group (parameters shared between modules once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from comera_compile.tensorize import iter_tt_layers
+
+__all__ = ["param_groups"]
+
+GROUP_NAMES = ("tt_cores", "tt_gates", "decay", "no_decay")
+
+
+def param_groups(
+    model: nn.Module,
+    lr: float,
+    *,
+    weight_decay: float = 0.1,
+    core_lr: float | None = None,
+    gate_lr: float | None = None,
+    core_weight_decay: float = 0.0,
+    gate_weight_decay: float = 0.0,
+) -> list[dict[str, Any]]:
+    """The recommended optimizer parameter groups of ``model`` (tensorized or not).
+
+    Groups (empty ones left out), each a dict with ``name``, ``params``, ``lr`` and ``weight_decay``:
+
+    * ``"tt_cores"``: every TT core; ``lr=core_lr`` (default ``lr``), ``core_weight_decay``;
+    * ``"tt_gates"``: every rank gate; ``lr=gate_lr`` (default ``10 * lr``), ``gate_weight_decay``;
+    * ``"decay"``: other parameters with 2 or more dimensions (matrices, embeddings); ``weight_decay``;
+    * ``"no_decay"``: other parameters (biases, norm weights); no weight decay.
+
+    Frozen parameters (``requires_grad=False``) are left out. Build the optimizer after
+    ``tensorize_``: a dense layer tensorized later would not be in it. A learning-rate schedule
+    should scale each group's own ``lr``.
+    """
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("core_lr", core_lr), ("gate_lr", gate_lr),
+                        ("core_weight_decay", core_weight_decay), ("gate_weight_decay", gate_weight_decay)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"param_groups: {name} must be >= 0, got {value}")
+    cores, gates = _tt_parameter_ids(model)
+    buckets: dict[str, list[nn.Parameter]] = {name: [] for name in GROUP_NAMES}
+    seen: set[int] = set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        buckets[_group_of(p, cores, gates)].append(p)
+    settings = {
+        "tt_cores": (lr if core_lr is None else core_lr, core_weight_decay),
+        "tt_gates": (10 * lr if gate_lr is None else gate_lr, gate_weight_decay),
+        "decay": (lr, weight_decay),
+        "no_decay": (lr, 0.0),
+    }
+    return [{"name": name, "params": buckets[name], "lr": settings[name][0], "weight_decay": settings[name][1]}
+            for name in GROUP_NAMES if buckets[name]]
+
+
+def _tt_parameter_ids(model: nn.Module) -> tuple[set[int], set[int]]:
+    cores: set[int] = set()
+    gates: set[int] = set()
+    for layer in iter_tt_layers(model):
+        cores.update(id(p) for p in layer.cores)
+        gates.update(id(p) for p in layer.gates)
+    return cores, gates
+
+
+def _group_of(p: nn.Parameter, cores: set[int], gates: set[int]) -> str:
+    if id(p) in cores:
+        return "tt_cores"
+    if id(p) in gates:
+        return "tt_gates"
+    return "decay" if p.dim() >= 2 else "no_decay"
