@@ -1,21 +1,34 @@
 """Linear + cross-entropy (the LM-head loss), forward + backward, bf16, on one GPU.
 
 Measures, in the same run: eager PyTorch (F.linear + F.cross_entropy on .float() logits),
-torch.compile of that, cut-cross-entropy (PyPI `cut_cross_entropy`), Liger's fused linear
-cross-entropy (PyPI `liger-kernel`) and ours (`comera::linear_cross_entropy`, filtered and exact).
+torch.compile of that, cut-cross-entropy (PyPI ``cut-cross-entropy``), Liger's fused linear
+cross-entropy (PyPI ``liger-kernel``, called as ``loss_fn(weight, input, target)``) and every path
+of ours (``comera::linear_cross_entropy``): the default (``auto``, the cost model's choice),
+``sparse`` (filtered), ``static`` (exact recompute), ``chunked`` (exact, gradient in the forward)
+at two memory budgets, ``fused`` (small D only), and the default and ``static`` replayed as a CUDA
+graph (inside capture the default never takes the sparse path).
 
-For each shape and input case it reports the median time (triton.testing.do_bench), the time as a
-multiple of the 3-GEMM floor, the extra peak memory (peak during one fwd+bwd minus what was
-allocated before it, minus the two gradients that every method returns) and the relative error of
-loss, dx and dW against a float64 reference.
+Shapes: Gemma-2 2B (8192, 2304, 256000), Llama-3 8B (8192, 4096, 128256), the dense head of the
+Llama-style LM of bench_e2e.py (8192, 1024, 128256) and its tensor-train head at rank 32: the loss
+over the rank activations x [8192, 32] and the factor R^T, a strided [128256, 32] view of R [32, V]
+(the peers get a contiguous copy).
+
+For each shape and input case it reports the median time (``triton.testing.do_bench``), the time as
+a multiple of the floor (FLOPs of 3 GEMMs at 790 TFLOP/s, or bytes at 4.3 TB/s), the extra peak
+memory (peak during one fwd+bwd minus what was allocated before it, minus the two gradients every
+method returns) and the relative error against a float64 reference on a slice: the mean loss over
+all rows, dx over the first rows, dW over the first vocabulary columns.
 
 Input cases:
 * ``random``: x ~ N(0, 1), W ~ N(0, 1/D): logits ~ N(0, 1), a flat softmax.
 * ``peaked``: a learned-like softmax: a Zipf unigram prior in one hidden direction, targets drawn
   from that prior, hidden states pointing at their target's row (boost 8 nats) plus noise.
 
-Run from the repo root:  PYTHONPATH=. python benchmarks/bench_cce.py [--shapes gemma,llama]
-Full results go to $OUT/bench_cce.json (or ./bench_cce.json) and a markdown table to stdout.
+Run from the repo root (peers from wheels carried in .whl/):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_cce.py
+``--smoke`` runs tiny shapes on the CPU (Triton interpreter) to check the script.
+Results go to $OUT/bench_cce.json (or ./bench_cce.json) and a markdown table to stdout.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -31,54 +45,70 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"gemma": (8192, 2304, 256000), "llama": (8192, 4096, 128256)}
-GEMM_TFLOPS = 790.0  # measured bf16 rate on the H200 (ANCHORS.md)
+if not torch.cuda.is_available():  # read when the kernels are decorated: before importing them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SHAPES = {"gemma": (8192, 2304, 256000), "llama": (8192, 4096, 128256),
+          "lm1024": (8192, 1024, 128256), "tt32": (8192, 32, 128256)}
+SMOKE_SHAPES = {"small": (96, 48, 500), "tt16": (64, 16, 300)}
+TRANSPOSED = {"tt32", "tt16"}  # the weight is R^T, a strided view
+GEMM_TFLOPS = 790.0  # bf16 peak rate on the H200
+HBM_TBPS = 4.3
+MIB = 1 << 20
+PEERS = ("eager", "torch.compile", "cut-cross-entropy", "liger")
+METHODS = "eager,torch.compile,cut-cross-entropy,liger,auto,sparse,static,chunked,fused,graph"
+SMOKE_METHODS = "eager,auto,sparse,static,chunked,fused"
 
 
-def make_inputs(case: str, N: int, D: int, V: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dev, dt = "cuda", torch.bfloat16
+def make_inputs(case: str, N: int, D: int, V: int, device: str, dtype, transposed: bool, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
     if case == "random":
-        x = torch.randn(N, D, device=dev, generator=g)
-        w = torch.randn(V, D, device=dev, generator=g) / D**0.5
-        t = torch.randint(0, V, (N,), device=dev, generator=g)
+        x = torch.randn(N, D, device=device, generator=g)
+        w = torch.randn(V, D, device=device, generator=g) / D**0.5
+        t = torch.randint(0, V, (N,), device=device, generator=g)
     elif case == "peaked":
-        rank = torch.arange(V, device=dev, dtype=torch.float32)
+        rank = torch.arange(V, device=device, dtype=torch.float32)
         logf = -1.1 * torch.log(rank + 10.0)
         logf = logf - torch.logsumexp(logf, 0)
-        perm = torch.randperm(V, device=dev, generator=g)  # frequent ids are spread over the vocab
+        perm = torch.randperm(V, device=device, generator=g)  # frequent ids are spread over the vocab
         logf = logf[perm]
         t = torch.multinomial(logf.exp(), N, replacement=True, generator=g)
-        r = torch.randn(V, D, device=dev, generator=g) / D**0.5
+        r = torch.randn(V, D, device=device, generator=g) / D**0.5
         w = r.clone()
         w[:, 0] = logf - logf.mean()
-        x = 8.0 * r[t] + torch.randn(N, D, device=dev, generator=g) / D**0.5
+        x = 8.0 * r[t] + torch.randn(N, D, device=device, generator=g) / D**0.5
         x[:, 0] = 1.0
     else:
         raise ValueError(case)
-    return x.to(dt).contiguous(), w.to(dt).contiguous(), t
+    w = w.to(dtype)
+    w = w.t().contiguous().t() if transposed else w.contiguous()
+    return x.to(dtype).contiguous(), w, t
 
 
-def reference(x, w, t, chunk=1024):
-    """float64 loss (mean) and gradients, chunk by chunk."""
+def reference(x, w, t, rows: int = 512, cols: int = 4096, chunk: int = 1024):
+    """float64 mean loss over all rows, dx of the first ``rows`` rows, dW of the first ``cols``
+    vocabulary columns (the lse of every row is needed for those)."""
     N = x.shape[0]
+    V = w.shape[0]
     w64 = w.double()
-    dx = torch.empty(x.shape, device=x.device, dtype=torch.float64)
-    dw = torch.zeros(w.shape, device=x.device, dtype=torch.float64)
+    cols = min(cols, V)
+    lse = torch.empty((N,), device=x.device, dtype=torch.float64)
     total = torch.zeros((), device=x.device, dtype=torch.float64)
+    dw = torch.zeros((cols, w.shape[1]), device=x.device, dtype=torch.float64)
     for i in range(0, N, chunk):
-        xc = x[i:i + chunk].double()
+        xc, tc = x[i:i + chunk].double(), t[i:i + chunk]
         z = xc @ w64.T
-        lse = torch.logsumexp(z, 1)
-        tc = t[i:i + chunk]
-        total += (lse - z.gather(1, tc[:, None])[:, 0]).sum()
-        gz = torch.softmax(z, 1)
-        gz[torch.arange(len(tc), device=x.device), tc] -= 1.0
-        gz /= N
-        dx[i:i + chunk] = gz @ w64
-        dw += gz.T @ xc
-        del z, gz
-    return total / N, dx, dw
+        lse[i:i + chunk] = torch.logsumexp(z, 1)
+        total += (lse[i:i + chunk] - z.gather(1, tc[:, None])[:, 0]).sum()
+        g = torch.exp(z[:, :cols] - lse[i:i + chunk, None])
+        hit = tc < cols
+        g[hit.nonzero()[:, 0], tc[hit]] -= 1.0
+        dw += g.T @ xc / N
+        del z, g
+    xr, tr = x[:rows].double(), t[:rows]
+    g = torch.softmax(xr @ w64.T, 1)
+    g[torch.arange(len(tr), device=x.device), tr] -= 1.0
+    return {"loss": total / N, "dx": g @ w64 / N, "dw": dw, "rows": rows, "cols": cols}
 
 
 def rel(a, b):
@@ -86,7 +116,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def methods(which):
+def peer_methods(which, device):
     out = {}
 
     def eager(x, w, t):
@@ -94,41 +124,86 @@ def methods(which):
 
     if "eager" in which:
         out["eager"] = eager
-    if "compile" in which:
+    if "torch.compile" in which:
         out["torch.compile"] = torch.compile(eager, dynamic=False)
-    if "cce" in which:
+    if "cut-cross-entropy" in which and device == "cuda":
         try:
             from cut_cross_entropy import linear_cross_entropy as cce
 
-            out["cut-cross-entropy"] = lambda x, w, t: cce(x, w, t)
+            out["cut-cross-entropy"] = lambda x, w, t: cce(x, w.contiguous(), t)
         except Exception as e:  # noqa: BLE001
             print("cut-cross-entropy unavailable:", e)
-    if "liger" in which:
+    if "liger" in which and device == "cuda":
         try:
-            from liger_kernel.transformers.fused_linear_cross_entropy import (
-                LigerFusedLinearCrossEntropyLoss,
-            )
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
             lf = LigerFusedLinearCrossEntropyLoss()
-            out["liger"] = lambda x, w, t: lf(w, x, t)
+            out["liger"] = lambda x, w, t: lf(w.contiguous(), x, t)
         except Exception as e:  # noqa: BLE001
             print("liger unavailable:", e)
-    from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy as ours
-
-    if "ours" in which:
-        out["ours (filtered)"] = lambda x, w, t: ours(x, w, t)
-        out["ours (exact)"] = lambda x, w, t: ours(x, w, t, backward="exact")
-    if "oursf" in which:
-        out["ours (filtered)"] = lambda x, w, t: ours(x, w, t)
-    if "det" in which:
-        out["ours (filtered, deterministic)"] = lambda x, w, t: ours(x, w, t, deterministic=True)
     return out
 
 
-def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms):
-    from triton.testing import do_bench
+def our_methods(which, D, budgets, impl, device):
+    """name -> (fn, replay as a CUDA graph)."""
+    from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy as ours
 
-    from comera_compile.kernels import linear_cross_entropy as lce_mod
+    def make(**kw):
+        return lambda x, w, t: ours(x, w, t, impl=impl, **kw)
+
+    out = {}
+    if "auto" in which:
+        out["ours auto"] = (make(), False)
+    if "sparse" in which:
+        out["ours sparse (filtered)"] = (make(strategy="sparse"), False)
+    if "static" in which:
+        out["ours static (exact)"] = (make(strategy="static", backward="exact"), False)
+    if "chunked" in which:
+        for b in budgets:
+            out[f"ours chunked {b // MIB} MiB (exact)"] = (make(strategy="chunked", memory_budget=b), False)
+    if "fused" in which and D <= 256:
+        out["ours fused (exact)"] = (make(strategy="fused"), False)
+    if "graph" in which and device == "cuda":
+        out["ours auto (CUDA graph)"] = (make(), True)
+        out["ours static (CUDA graph)"] = (make(strategy="static", backward="exact"), True)
+    return out
+
+
+def bench_ms(fn, rep_ms, device):
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median")
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def capture(step, device):
+    """Warm up on a side stream, then capture ``step`` as a CUDA graph; returns (graph, outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def errors(out, ref):
+    loss, gx, gw = out
+    return {"err_loss": abs(float(loss) - float(ref["loss"])) / abs(float(ref["loss"])),
+            "err_dx": rel(gx[:ref["rows"]], ref["dx"]), "err_dw": rel(gw[:ref["cols"]], ref["dw"])}
+
+
+def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False):
+    from comera_compile.kernels.linear_cross_entropy import record_cce_stats
 
     xr = x.detach().requires_grad_()
     wr = w.detach().requires_grad_()
@@ -139,151 +214,145 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms):
 
     res = {"method": name}
     t0 = time.time()
-    loss, gx, gw = step()  # warm-up / compile
-    torch.cuda.synchronize()
+    with record_cce_stats() as stats:
+        if graph:
+            g, out = capture(step, device)
+            g.replay()
+        else:
+            out = step()  # warm-up / compile; checked first
+    if device == "cuda":
+        torch.cuda.synchronize()
     res["first_call_s"] = round(time.time() - t0, 2)
-    res["loss"] = float(loss)
-    res["err_loss"] = abs(float(loss) - float(ref[0])) / abs(float(ref[0]))
-    res["err_dx"] = rel(gx, ref[1])
-    res["err_dw"] = rel(gw, ref[2])
-    stats = getattr(lce_mod, "_LAST_STATS", None)
-    if name.startswith("ours") and stats:
-        res["stats"] = {k: (v if isinstance(v, (int, float)) else float(v)) for k, v in stats.items()}
-        if lce_mod._SPARSE_BROKEN:
-            res["sparse_broken"] = lce_mod._SPARSE_BROKEN[0]
-    del loss, gx, gw
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = step()
-    torch.cuda.synchronize()
-    grads_bytes = out[1].numel() * out[1].element_size() + out[2].numel() * out[2].element_size()
-    res["extra_mib"] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / 2**20
+    res.update(errors(out, ref))
+    res["loss"] = float(out[0])
+    if stats:
+        res["paths"] = [f"{s.phase}:{s.path}" for s in stats]
+        res["stats"] = [{k: v for k, v in vars(s).items() if v not in (0, "")} for s in stats]
     del out
-    ms = do_bench(step, warmup=max(100, rep_ms // 4), rep=rep_ms, return_mode="median")
-    if name.startswith("ours"):
-        with torch.no_grad():
-            res["fwd_ms"] = do_bench(lambda: fn(x, w, t), warmup=50, rep=max(100, rep_ms // 4),
-                                     return_mode="median")
-    res["ms"] = ms
-    res["x_floor"] = ms / floor_ms
+    gc.collect()
+    if device == "cuda" and not graph:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = step()
+        torch.cuda.synchronize()
+        grads_bytes = sum(o.numel() * o.element_size() for o in out[1:])
+        res["extra_mib"] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / MIB
+        del out
+    res["ms"] = bench_ms(g.replay if graph else step, rep_ms, device)
+    res["x_floor"] = res["ms"] / floor_ms
     return res
 
 
-def _set_tuning(spec):
-    from comera_compile.kernels import linear_cross_entropy as lce_mod
-
-    for kv in filter(None, spec.split(",")):
-        k, v = kv.split("=")
-        cur = getattr(lce_mod._TUNING, k)
-        setattr(lce_mod._TUNING, k, type(cur)(v))
+def floor_ms(N, D, V, elem):
+    flops = 3 * 2 * N * D * V / (GEMM_TFLOPS * 1e12)
+    bytes_ = (2 * N * D + 2 * V * D) * elem / (HBM_TBPS * 1e12)
+    return max(flops, bytes_) * 1e3
 
 
-def fwd_sweep(x, w, t, specs, flops):
-    import dataclasses
-
-    from triton.testing import do_bench
-
-    from comera_compile.kernels import linear_cross_entropy as lce_mod
-
-    saved = dataclasses.replace(lce_mod._TUNING)
-    ms = do_bench(lambda: lce_mod._triton_forward(x, w, t, None, 0.0, 0.0), warmup=50, rep=200,
-                  return_mode="median")
-    print(f"fwd raw kernel+combine: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-    for spec in specs.split(";"):
-        _set_tuning(spec)
-        try:
-            with torch.no_grad():
-                lce_mod.linear_cross_entropy(x, w, t)
-                ms = do_bench(lambda: lce_mod.linear_cross_entropy(x, w, t), warmup=50, rep=200,
-                              return_mode="median")
-            print(f"fwd-sweep {spec}: {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"fwd-sweep {spec}: error {type(e).__name__}: {str(e)[:200]}", flush=True)
-        lce_mod._TUNING = dataclasses.replace(saved)
-
-
-def profile(fns, x, w, t):
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    for name, fn in fns.items():
-        if not name.startswith("ours"):
-            continue
-        xr = x.detach().requires_grad_()
-        wr = w.detach().requires_grad_()
-        for _ in range(2):
-            torch.autograd.grad(fn(xr, wr, t), (xr, wr))
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.autograd.grad(fn(xr, wr, t), (xr, wr))
-            torch.cuda.synchronize()
-        print(f"-- profile {name}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60),
-              flush=True)
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="gemma,llama")
-    ap.add_argument("--cases", default="random,peaked")
-    ap.add_argument("--methods", default="eager,compile,cce,liger,ours")
-    ap.add_argument("--rep-ms", type=int, default=1000)
-    ap.add_argument("--tuning", default="", help="k=v,... overrides of _TUNING for ours")
-    ap.add_argument("--profile", action="store_true", help="kernel breakdown of ours (profiler)")
-    ap.add_argument("--data-independent-once", action="store_true",
-                    help="time eager, torch.compile and Liger (data-independent) on the first case only")
-    ap.add_argument("--fwd-sweep", default="", help="tunings separated by ';' to time ours' forward")
-    args = ap.parse_args()
-
-    from comera_compile.kernels import linear_cross_entropy as lce_mod
-
-    _set_tuning(args.tuning)
-    print("torch", torch.__version__, "| device", torch.cuda.get_device_name(), "| tuning",
-          lce_mod._TUNING, flush=True)
-    outdir = os.environ.get("OUT", ".")
-    fns = methods(args.methods.split(","))
-    results = []
-    for shape in args.shapes.split(","):
-        N, D, V = SHAPES[shape]
-        floor_ms = 3 * 2 * N * D * V / (GEMM_TFLOPS * 1e12) * 1e3
-        for case in args.cases.split(","):
-            x, w, t = make_inputs(case, N, D, V)
-            ref = reference(x, w, t)
-            print(f"== {shape} (N,D,V)=({N},{D},{V}) case={case} ref loss={float(ref[0]):.4f} "
-                  f"floor={floor_ms:.1f} ms", flush=True)
-            if args.fwd_sweep and not results:
-                fwd_sweep(x, w, t, args.fwd_sweep, 2 * N * D * V)
-            if args.profile:
-                profile(fns, x, w, t)
-            for name, fn in fns.items():
-                if (args.data_independent_once and case != args.cases.split(",")[0]
-                        and name in ("eager", "torch.compile", "liger")):
-                    continue
-                try:
-                    r = run_one(name, fn, x, w, t, ref, floor_ms, args.rep_ms)
-                except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    r = {"method": name, "error": f"{type(e).__name__}: {e}"[:300]}
-                r.update(shape=shape, case=case, N=N, D=D, V=V)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-            del x, w, t, ref
-            gc.collect()
-            torch.cuda.empty_cache()
-    with open(os.path.join(outdir, "bench_cce.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print("\n| shape | case | method | ms | x floor | extra MiB | err loss | err dx | err dW |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def table(results):
+    lines = ["| shape | case | method | ms | x floor | extra MiB | err loss | err dx | err dW | paths |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            print(f"| {r['shape']} | {r['case']} | {r['method']} | error: {r['error'][:60]} |")
+            lines.append(f"| {r['shape']} | {r['case']} | {r['method']} | error: {r['error'][:80]} |")
             continue
-        print(f"| {r['shape']} | {r['case']} | {r['method']} | {r['ms']:.1f} | {r['x_floor']:.2f} | "
-              f"{r['extra_mib']:.1f} | {r['err_loss']:.1e} | {r['err_dx']:.1e} | {r['err_dw']:.1e} |")
+        mib = f"{r['extra_mib']:.1f}" if "extra_mib" in r else "-"
+        lines.append(f"| {r['shape']} | {r['case']} | {r['method']} | {r['ms']:.2f} | {r['x_floor']:.2f} | {mib} | "
+                     f"{r['err_loss']:.1e} | {r['err_dx']:.1e} | {r['err_dw']:.1e} | {' '.join(r.get('paths', []))} |")
+    return "\n".join(lines)
+
+
+def verdicts(results):
+    """Ours against the issue's targets: default <= 0.9x the fastest peer, exact <= 1.0x
+    torch.compile, the TT head >= 10x faster than the dense head (lm1024) of the same LM."""
+    ok = [r for r in results if "error" not in r]
+    lines = []
+    for shape, case in sorted({(r["shape"], r["case"]) for r in ok}):
+        rows = [r for r in ok if r["shape"] == shape and (r["case"] == case or r["method"] in PEERS)]
+        peers = [r for r in rows if r["method"] in PEERS and r["method"] != "eager"]
+        mine = {r["method"]: r for r in rows if r["case"] == case and r["method"].startswith("ours")}
+        if not peers or "ours auto" not in mine:
+            continue
+        best = min(peers, key=lambda r: r["ms"])
+        auto = mine["ours auto"]
+        exact = [r for n, r in mine.items() if "exact" in n and "graph" not in n]
+        line = (f"{shape}/{case}: auto {auto['ms']:.2f} ms = {auto['ms'] / best['ms']:.2f}x {best['method']} "
+                f"({best['ms']:.2f} ms), +{auto.get('extra_mib', float('nan')):.0f} MiB")
+        comp = [r for r in peers if r["method"] == "torch.compile"]
+        if exact and comp:
+            e = min(exact, key=lambda r: r["ms"])
+            line += f"; best exact {e['method']} {e['ms']:.2f} ms = {e['ms'] / comp[0]['ms']:.2f}x torch.compile"
+        lines.append(line)
+    dense = [r for r in ok if r["shape"] == "lm1024" and r["method"] == "ours auto"]
+    tt = [r for r in ok if r["shape"] == "tt32" and r["method"] == "ours auto"]
+    for d in dense:
+        for r in tt:
+            if r["case"] == d["case"]:
+                lines.append(f"TT head r=32 vs dense head D=1024 ({d['case']}): {d['ms'] / r['ms']:.1f}x faster")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help=f"comma list of {list(SHAPES)} (default: all)")
+    ap.add_argument("--cases", default="random,peaked")
+    ap.add_argument("--methods", default=None, help=f"default: {METHODS} ({SMOKE_METHODS} with --smoke)")
+    ap.add_argument("--budgets-mib", default="256,1024", help="memory budgets of the chunked rows")
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--tuning", default="", help="k=v,... CCETuning overrides for ours")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU (Triton interpreter)")
+    args = ap.parse_args(argv)
+
+    from comera_compile.kernels.linear_cross_entropy import CCETuning, cce_tuning
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        ap.error("no GPU: use --smoke")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    impl = "auto" if device == "cuda" else "triton"
+    which = (args.methods or (SMOKE_METHODS if args.smoke else METHODS)).split(",")
+    budgets = [int(b) * MIB for b in args.budgets_mib.split(",")]
+    types = {f.name: f.type for f in CCETuning.__dataclass_fields__.values()}
+    tuning = {k: (float(v) if types[k] in (float, "float") else int(v))
+              for k, v in (kv.split("=") for kv in filter(None, args.tuning.split(",")))}
+    print("torch", torch.__version__, "| device", torch.cuda.get_device_name() if device == "cuda" else "cpu",
+          "| tuning", tuning or "defaults", flush=True)
+    peers = peer_methods(which, device)
+    results = []
+    with cce_tuning(**tuning):
+        for shape in names:
+            N, D, V = shapes[shape]
+            fl = floor_ms(N, D, V, torch.finfo(dtype).bits // 8)
+            mine = our_methods(which, D, budgets, impl, device)
+            for ci, case in enumerate(args.cases.split(",")):
+                x, w, t = make_inputs(case, N, D, V, device, dtype, shape in TRANSPOSED)
+                ref = reference(x, w, t)
+                print(f"== {shape} (N,D,V)=({N},{D},{V}) case={case} ref loss={float(ref['loss']):.4f} "
+                      f"floor={fl:.2f} ms", flush=True)
+                todo = [(n, f, False) for n, f in peers.items() if ci == 0]  # peers: data-independent
+                todo += [(n, f, g) for n, (f, g) in mine.items()]
+                for name, fn, graph in todo:
+                    try:
+                        r = run_one(name, fn, x, w, t, ref, fl, args.rep_ms, device, graph)
+                    except Exception as e:  # noqa: BLE001
+                        traceback.print_exc()
+                        r = {"method": name, "error": f"{type(e).__name__}: {e}"[:300]}
+                    r.update(shape=shape, case=case, N=N, D=D, V=V)
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                del x, w, t, ref
+    with open(os.path.join(os.environ.get("OUT", "."), "bench_cce.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print()
+    print(table(results))
+    print()
+    print(verdicts(results))
     return 0
 
 

@@ -405,9 +405,10 @@ def test_target_rows_must_match_like_eager():
     with pytest.raises(ValueError, match="batch_size") as eager_err:
         _eager(x, w, b, t[:-2])
     for target in (t[:-2], t[None]):
-        with pytest.raises(ValueError, match="batch_size"):
-            torch.ops.comera.linear_cross_entropy(x, w, target, b, 0.0, -100, 0.0, "mean", "filtered",
-                                                  1e-4, False, "torch")
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError, match="batch_size"):
+                torch.ops.comera.linear_cross_entropy(x, w, target, b, 0.0, -100, 0.0, "mean", "filtered",
+                                                      1e-4, False, impl)
     assert "batch_size" in str(eager_err.value)
 
 
