@@ -42,6 +42,8 @@ __all__ = [
     "compression_report",
     "densify_",
     "iter_tt_layers",
+    "require_unsharded",
+    "set_parameter_data_",
     "tensorize_",
 ]
 
@@ -135,9 +137,35 @@ def set_parameter_data_(p: nn.Parameter, new: torch.Tensor) -> None:
     cache when the dtype or device changes. Passing through another dtype drops it, so the next
     forward builds an accumulator of the new shape.
     """
+    if _is_dtensor(p):
+        raise NotImplementedError(_FSDP2_RESIZE.format(
+            what=f"resizing a parameter from {tuple(p.shape)} to {tuple(new.shape)}", names="this parameter"))
     other = torch.float64 if new.dtype != torch.float64 else torch.float32
     p.data = new.new_empty(0, dtype=other)
     p.data = new
+
+
+_FSDP2_RESIZE = ("{what} changes the shapes of tensor-train cores and gates, which FSDP2 (fully_shard) cannot "
+                 "follow: it fixes the sharded shape of every parameter when fully_shard is called (sharded: "
+                 "{names}). Train rank-adaptively under DistributedDataParallel or on one device, and load "
+                 "checkpoints with pruned ranks before calling fully_shard.")
+
+
+def _is_dtensor(t: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
+def require_unsharded(model: nn.Module, what: str) -> None:
+    """Raise ``NotImplementedError`` naming the TT layers whose cores or gates FSDP2 has sharded,
+    for ``what`` (e.g. ``"RankAdaptation"``) that would change their shapes."""
+    names = [layer.fqn for layer in iter_tt_layers(model)
+             if any(_is_dtensor(p) for p in list(layer.cores) + list(layer.gates))]
+    if names:
+        raise NotImplementedError(_FSDP2_RESIZE.format(what=what, names=names))
 
 
 class TTParametrization(nn.Module):
