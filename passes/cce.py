@@ -401,10 +401,9 @@ def _only_user(node: fx.Node, user: fx.Node) -> None:
                     "left alone: fusing would compute them twice and keep them in memory anyway")
 
 
-def _walk(logits: fx.Node, user: fx.Node) -> tuple[_Projection, list, list, list[fx.Node]]:
-    """From the loss input back to the projection: (projection, row ops, value ops, path nodes)."""
-    rows: list[tuple[str, tuple]] = []
-    values: list[tuple[str, Any, fx.Node]] = []
+def _walk(logits: fx.Node, user: fx.Node, rows: list, values: list) -> tuple[_Projection, list[fx.Node]]:
+    """From the loss input back to the projection: fills ``rows`` and ``values`` (innermost first);
+    returns the projection and the path's nodes."""
     chain: list[fx.Node] = []
     cur = logits
     while True:
@@ -415,7 +414,7 @@ def _walk(logits: fx.Node, user: fx.Node) -> tuple[_Projection, list, list, list
             raise _Skip(f"{M.describe(cur)}: in-place {M.call_name(cur)} on the logits is not supported")
         proj = _projection(cur)
         if proj is not None:
-            return proj, rows, values, chain + [cur, *proj.erase]
+            return proj, chain + [cur, *proj.erase]
         src = _step(cur, rows, values)
         chain.append(cur)
         user, cur = cur, src
@@ -437,6 +436,11 @@ def _step(node: fx.Node, rows: list, values: list) -> Any:
         if fout.dim() == 0 or not M.same_size(fin.shape[-1], fout.shape[-1]):
             raise _Skip(f"{M.describe(node)} changes the vocabulary dimension (the last one)")
         return call["input"]
+    if M.is_call(node, M.LOG_SOFTMAX):  # recorded first: a blocked log_softmax still makes an LM-loss candidate
+        values.insert(0, ("log_softmax", False, node))
+        src, (_, upcast) = _value_op(node)
+        values[0] = ("log_softmax", upcast, node)
+        return src
     src, (kind, arg) = _value_op(node)
     values.insert(0, (kind, arg, node))
     return src
@@ -476,11 +480,12 @@ def _match(loss: fx.Node) -> _Head | None:
     else:
         return None
     call = _bound(loss)
-    values: list = []
-    try:
+    rows: list[tuple[str, tuple]] = []
+    values: list[tuple[str, Any, fx.Node]] = []
+    try:  # the walk first: an nll_loss is a candidate only when a log_softmax feeds it
+        proj, chain = _walk(call["input"], loss, rows, values)
         args = _loss_args(call)
         _check_loss_input(call["input"], call["target"])
-        proj, rows, values, chain = _walk(call["input"], loss)
     except _Skip:
         if pattern != "cross_entropy" and not any(v[0] == "log_softmax" for v in values):
             return None  # an nll_loss that is no log_softmax over logits: not an LM head candidate

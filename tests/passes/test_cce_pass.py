@@ -81,7 +81,7 @@ UNSUPPORTED = {
     "class_weights": "class weights",
     "vocab_slice": "vocabulary dimension",
     "prob_targets": "class indices",
-    "class_dim_1": "class dimension must be last",
+    "class_dim_1": "moves or indexes the vocabulary dimension",
 }
 
 
