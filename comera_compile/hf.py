@@ -10,7 +10,8 @@ module whose output is a ``ModelOutput``-like mapping (or a ``(loss, logits, ...
 
 from __future__ import annotations
 
-import functools
+import inspect
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +20,6 @@ from torch import nn
 
 __all__ = ["fused_loss"]
 
-_ORIGINAL = "_comera_fused_loss_original_forward"
 _PINNED = "_comera_fused_loss_pinned"
 
 
@@ -38,38 +38,53 @@ def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
     ``torch.no_grad()``) and calls without labels return the logits as usual. Everything the loss
     function takes is passed through, e.g. ``num_items_in_batch`` for gradient accumulation.
 
-    It also resolves the model's ``loss_function`` once (transformers logs a warning from inside
-    it when the model class does not name its loss type, GPT-2 for one, and that logging call is a
-    graph break that would put the loss in a graph of its own).
+    The model's ``forward`` is replaced on the instance (torch.compile runs a module's hooks
+    outside the graph, so a hook could not drop the logits from it); the signature is kept, and
+    ``copy.deepcopy`` gives the copy a forward of its own. It also resolves the model's
+    ``loss_function`` once: transformers logs a warning from inside it when the model class does
+    not name its loss type (GPT-2 for one), and that logging call is a graph break that would put
+    the loss in a graph of its own.
 
     Works before or after ``torch.compile`` (a compiled module is unwrapped); ``enabled=False``
-    restores the original forward. Returns ``model``.
+    restores the class's forward. Returns ``model``.
     """
     root = _root(model)
     if not isinstance(root, nn.Module):
         raise TypeError(f"fused_loss: expected an nn.Module, got {type(model).__name__}")
-    if enabled and _ORIGINAL not in root.__dict__:
-        original = root.forward
-        root.__dict__[_ORIGINAL] = original
-        root.forward = _dropping_forward(root, original)
+    current = root.__dict__.get("forward")
+    if enabled and current is None:
+        root.forward = _DroppingForward(root, type(root).forward)
         _pin_loss_function(root)
-    elif not enabled and _ORIGINAL in root.__dict__:
-        del root.__dict__[_ORIGINAL]
+    elif enabled and not isinstance(current, _DroppingForward):
+        raise TypeError(f"fused_loss: {type(root).__name__}.forward is already replaced on the instance "
+                        f"(by {current!r}); apply fused_loss before that wrapper")
+    elif not enabled and isinstance(current, _DroppingForward):
         del root.forward
         if root.__dict__.pop(_PINNED, False):
             del root._loss_function
     return model
 
 
-def _dropping_forward(root: nn.Module, original: Any) -> Any:
-    @functools.wraps(original)  # keeps the signature (transformers' Trainer reads it)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        output = original(*args, **kwargs)
-        if root.training and torch.is_grad_enabled():
+class _DroppingForward:
+    """``model.forward`` under :func:`fused_loss`: the class's forward, then :func:`without_logits`
+    in training. It holds the module the way a bound method does (``__self__``, ``__func__``), so
+    ``copy.deepcopy`` rebinds it to the copy, and module names in ``explain`` stay the user's."""
+
+    def __init__(self, module: nn.Module, func: Any) -> None:
+        self.__self__, self.__func__ = module, func
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.__func__(self.__self__, *args, **kwargs)
+        if self.__self__.training and torch.is_grad_enabled():
             return without_logits(output, kwargs.get("labels") is not None)
         return output
 
-    return forward
+    @property
+    def __signature__(self) -> inspect.Signature:  # transformers' Trainer reads forward's parameters
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<fused_loss forward of {type(self.__self__).__name__}>"
 
 
 def without_logits(output: Any, has_loss: bool = True) -> Any:

@@ -7,6 +7,7 @@ function. Skipped when transformers is not installed (``pip install -e ".[hf]"``
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -126,7 +127,13 @@ def test_logits_stay_in_eval_without_labels_and_after_disabling():
     model.train()
     loss, logits = model(ids, labels=labels, return_dict=False)[:2]
     assert logits is None and loss.dim() == 0
-    assert "labels" in __import__("inspect").signature(model.forward).parameters  # Trainer reads it
+    assert "labels" in inspect.signature(model.forward).parameters  # transformers' Trainer reads it
+    twin = copy.deepcopy(model)  # a copy drops its logits too, and runs its own weights
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)
+        assert twin(ids, labels=labels).logits is not None
+    out, twin_out = model(ids, labels=labels), twin(ids, labels=labels)
+    assert twin_out.logits is None and not torch.allclose(twin_out.loss, out.loss)
     cc.hf.fused_loss(model, enabled=False)
     assert "forward" not in model.__dict__ and model(ids, labels=labels).logits is not None
     compiled = cc.hf.fused_loss(torch.compile(model, backend="eager"))  # a compiled model is unwrapped
