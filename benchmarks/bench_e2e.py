@@ -277,6 +277,8 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             b.synchronize()
             times.append(a.elapsed_time(b))
         stats = _kernel_stats(step, device)
+        if args.cprofile:
+            _host_profile(step, args.cprofile, variant)
         peak_alloc = torch.cuda.max_memory_allocated(device) / 2**20
         peak_res = torch.cuda.max_memory_reserved(device) / 2**20
     else:
@@ -295,6 +297,22 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             "first_loss": first_loss, "last_loss": float(loss), "params": params, "dense_params": dense_params,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "wall_s": time.perf_counter() - t0, **stats}
+
+
+def _host_profile(step, n: int, variant: str) -> None:
+    """Where the host's time goes (cProfile over ``n`` steps): top functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"--- host profile of {variant}, {n} steps", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
 
 
 # ----------------------------------------------------------------------------- turn-taking
@@ -326,6 +344,8 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
                "--warmup", str(args.warmup), "--turn", turn, "--index", str(i), "--out-one", out]
         if args.smoke:
             cmd.append("--smoke")
+        if args.cprofile:
+            cmd += ["--cprofile", str(args.cprofile)]
         log = open(os.path.join(tmp, f"{i}.log"), "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log.name, variant))
     # turns go in order once a variant is warm; a variant that died is skipped
@@ -338,6 +358,9 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
     results = []
     for p, out, logname, variant in procs:
         p.wait()
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            Path(args.logs, f"{variant}.log").write_text(Path(logname).read_text())
         if os.path.exists(out):
             results.append(json.loads(Path(out).read_text()))
         else:
@@ -371,6 +394,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, inner aot_eager: checks the script")
     ap.add_argument("--serial", action="store_true", help="run the variants one after another in this process")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="STEPS",
+                    help="also print a host-side cProfile of STEPS steps per variant (in its log)")
+    ap.add_argument("--logs", default=None, help="keep each variant's log in this folder")
     ap.add_argument("--turn", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out-one", default=None, help=argparse.SUPPRESS)

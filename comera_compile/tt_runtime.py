@@ -34,6 +34,7 @@ from comera_compile.planner import Bracket
 __all__ = ["OUTPUTS", "chain_modes", "group_outputs", "layer_outputs", "lookup", "project"]
 
 OUTPUTS = ("factors", "factors_t", "dense", "dense_t", "tables")
+RANK_ALIGN = 8  # bond sizes of the factors and tables are padded to a multiple of this (16 bytes in bf16)
 
 
 def chain_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> list[tuple[int, int]]:
@@ -92,7 +93,8 @@ def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Seque
     """The token-independent work of K layers of one structure, batched; per layer, in order:
 
     * ``"factors"``: ``(F1, F2)`` with ``x @ M = linear(x @ F1, F2)``: F1 = L[:rows] [rows, r],
-      F2 = R[:, :cols]ᵀ [cols, r] (``"tt"`` cut between its row and column modes);
+      F2 = R[:, :cols]ᵀ [cols, r] (``"tt"`` cut between its row and column modes; r zero-padded to a
+      multiple of ``RANK_ALIGN``, as for the tables);
     * ``"factors_t"``: the same for ``x @ Mᵀ`` (a tied head): F1 = R[:, :cols]ᵀ, F2 = L[:rows];
     * ``"dense"`` / ``"dense_t"``: ``M[:rows, :cols]`` / its transpose, as ``tt_materialize`` gives it;
     * ``"tables"``: ``(A, B)``, A [I_L, O_L, r] and B [I_R, O_R, r] for :func:`lookup`.
@@ -104,6 +106,8 @@ def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Seque
         chain = _stacked_chain(cores, gates, modes, dtype)
         L = _merge(chain, left)[:, 0]  # [K, S_L, r]
         R = _merge(chain, right)[..., 0]  # [K, r, S_R]
+        if output in ("factors", "factors_t", "tables"):
+            L, R = _pad_rank(L, R)
         if output in ("factors", "factors_t"):
             f1, f2 = L[:, :rows], R[:, :, :cols].transpose(1, 2)
             if output == "factors_t":
@@ -121,6 +125,17 @@ def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Seque
         if output == "dense_t":
             m = m.transpose(1, 2)
         return _per_layer(m)
+
+
+def _pad_rank(L: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad the bond between the halves to a multiple of ``RANK_ALIGN``: the rank-sized GEMM
+    operands then have 16-byte aligned rows (cuBLAS takes slow paths for a rank of 30); the padded
+    rank carries zeros, so every product is unchanged."""
+    r = L.shape[-1]
+    pad = -r % RANK_ALIGN
+    if pad == 0:
+        return L, R
+    return torch.nn.functional.pad(L, (0, pad)), torch.nn.functional.pad(R, (0, 0, 0, pad))
 
 
 def _per_layer(*stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -261,10 +261,38 @@ def _cast(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> None:
-    fresh = _match(site.node, materialize)  # earlier rewrites may have replaced the input nodes
+def _refresh(site: _Site, materialize: set) -> None:
+    """Re-read the site's input and bias: earlier rewrites may have replaced the nodes they were."""
+    fresh = _match(site.node, materialize)
     site.x, site.bias = fresh.x, fresh.bias
-    parts = g.parts[g.members.index(site.w)]
+
+
+def _parts(g: _Group, site: _Site) -> list[fx.Node]:
+    return g.parts[g.members.index(site.w)]
+
+
+def _rewrite_shared_input(graph: fx.Graph, sites: list[tuple[_Group, _Site]]) -> None:
+    """Factored sites that read the same activations (Q, K and V; gate and up projections): one GEMM
+    ``x @ [F1_a | F1_b | ...]`` for all their first factors, then each site's own ``linear``. The
+    backward then also forms dx and the F1 gradients in one GEMM each."""
+    first = sites[0][1].node
+    dtype = fake(first).dtype
+    f1s = [_parts(g, s)[0] for g, s in sites]
+    widths = [fake(f).shape[-1] for f in f1s]
+    with graph.inserting_before(first):
+        stacked = graph.call_function(torch.cat, (f1s, 1))
+        t = graph.call_function(tt_runtime.project, (sites[0][1].x, stacked, dtype))
+        pieces = graph.call_function(torch.split, (t, widths, -1))
+    for i, (g, site) in enumerate(sites):
+        with graph.inserting_before(site.node):
+            ti = graph.call_function(operator.getitem, (pieces, i))
+            new = graph.call_function(F.linear, (ti, _parts(g, site)[1], _cast(graph, site.bias, dtype)))
+        checked_replace(site.node, new, erase=[site.w])
+
+
+def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> None:
+    _refresh(site, materialize)
+    parts = _parts(g, site)
     node = site.node
     dtype = fake(node).dtype
     with graph.inserting_before(node):
@@ -284,6 +312,30 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
             t = graph.call_function(tt_runtime.project, (site.x, parts[0], dtype))
             new = graph.call_function(F.linear, (t, parts[1], _cast(graph, site.bias, dtype)))
     checked_replace(node, new, erase=[site.w])
+
+
+def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, graph: fx.Graph,
+                  materialize: set) -> list[_Site]:
+    """``site`` and the other factored sites not yet rewritten that read the same input in the same
+    dtype and whose first factors exist before the earliest of them (in graph order)."""
+    if site.output not in ("factors", "factors_t"):
+        return [site]
+    _refresh(site, materialize)
+    dtype = fake(site.node).dtype
+    batch = [site]
+    for other in sites:
+        if other is site or id(other) in done or other.output not in ("factors", "factors_t"):
+            continue
+        _refresh(other, materialize)
+        if other.x is site.x and fake(other.node).dtype == dtype:
+            batch.append(other)
+    if len(batch) == 1:
+        return batch
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[s.node] for s in batch)
+    if not all(order[_parts(home[id(s)], s)[0]] < first for s in batch):
+        return [site]
+    return sorted(batch, key=lambda s: order[s.node])
 
 
 def _detail(site: _Site, group: _Group) -> str:
@@ -312,18 +364,34 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.skip(NAME, str(reason), module_name(node))
             continue
         sites.append(site)
-    count = 0
-    for g in _groups(sites, order):
+    groups = _groups(sites, order)
+    for g in groups:
         _emit_group(graph, g)
-        for site in g.sites:
-            where = module_name(site.node)
-            try:
-                _rewrite_site(graph, g, site, materialize)
-            except RewriteRejected as exc:
-                ctx.skip(site.kind, str(exc), where)
-                continue
-            ctx.rewrite(site.kind, where, _detail(site, g))
+    home = {id(site): g for g in groups for site in g.sites}
+    count = 0
+    done: set[int] = set()
+    for site in sorted(sites, key=lambda s: order[s.node]):
+        if id(site) in done:
+            continue
+        batch = _shared_input(site, sites, done, home, graph, materialize)
+        where = module_name(site.node)
+        try:
+            if len(batch) > 1:
+                _rewrite_shared_input(graph, [(home[id(s)], s) for s in batch])
+            else:
+                _rewrite_site(graph, home[id(site)], site, materialize)
+        except RewriteRejected as exc:
+            ctx.skip(site.kind, str(exc), where)
+            done.update(id(s) for s in batch)
+            continue
+        for s in batch:
+            done.add(id(s))
+            shared = f"; first factor computed in one GEMM with {len(batch) - 1} other layer(s) reading the same " \
+                     "input" if len(batch) > 1 else ""
+            ctx.rewrite(s.kind, module_name(s.node) if s.node.graph is not None else where,
+                        _detail(s, home[id(s)]).replace("\n", shared + "\n", 1))
             count += 1
+    for g in groups:
         erase_unused([n for items in g.parts for n in items] + [g.call])
     for node in graph.nodes:
         if node.op == "call_function" and node.target in materialize:

@@ -243,3 +243,24 @@ def test_compiled_tt_model_trains_like_eager():
             out.append(loss.item())
     assert losses[-1] < losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
+
+
+class QKV(nn.Module):
+    def __init__(self, d=24):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return (torch.softmax(q @ k.transpose(-1, -2), -1) @ v).square().mean()
+
+
+def test_layers_reading_the_same_input_share_one_first_factor_gemm():
+    torch.manual_seed(0)
+    model = QKV()
+    tensorize_(model, TTConfig(rank=5, min_size=0, fmt="tt"))
+    x = torch.randn(2, 7, 24)
+    report = _report(model, x)
+    assert _calls(report, tt_runtime.project) == 1  # x @ [F1_q | F1_k | F1_v]
+    assert all("one GEMM with 2 other layer(s)" in r.detail for r in report.rewrites)
+    _check_same(model, copy.deepcopy(model), (x,))
