@@ -167,7 +167,7 @@ def test_tt_head_is_fused_with_its_loss_over_the_rank():
     idx = _idx(6, vocab=200)
     report = _report(model, idx, cce_min_vocab=0)  # a tiny head: force the fusion the cost rule declines
     cce = next((r for r in report.rewrites if r.kind == "cce"), None)
-    assert cce is not None and "D=6" in cce.detail and "V=200" in cce.detail, str(report)
+    assert cce is not None and "D=8" in cce.detail and "V=200" in cce.detail, str(report)  # rank 6 padded to 8
     ref = TinyLM(vocab=200, d=24)  # the dense twin: the same weights, the head materialized
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("head.")}
     ref.load_state_dict({**state, "head.weight": model.head.weight.detach(), "head.bias": model.head.bias.detach()})
