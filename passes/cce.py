@@ -303,18 +303,21 @@ def _number(value: Any, node: fx.Node, what: str) -> float:
 
 def _value_op(node: fx.Node) -> tuple[fx.Node, tuple]:
     """(the logits input, (kind, argument)) of a value op; raises ``_Skip`` on anything else."""
-    fin_out = fake(node)
+    fout = fake(node)
     if M.is_call(node, M.CAST):
         src = node.args[0]
         fin = fake(src)
-        if fin_out.dtype != torch.float32 or fin.dtype not in _UPCAST_FROM or fin.device != fin_out.device:
-            raise _Skip(f"{M.describe(node)}: a cast from {fin.dtype} to {fin_out.dtype}; only an fp32 upcast "
+        if fout.dtype != torch.float32 or fin.dtype not in _UPCAST_FROM or fin.device != fout.device:
+            raise _Skip(f"{M.describe(node)}: a cast from {fin.dtype} to {fout.dtype}; only an fp32 upcast "
                         "is fused")
         return src, ("upcast", None)
     call = _bound(node)
     if M.is_call(node, M.ADD):
         _require(call, "input", "other")
         src, bias = _chain_operand(call, "input", "other")
+        if fake(src).dtype != fout.dtype:
+            raise _Skip(f"{M.describe(node)}: adding the bias promotes the logits from {fake(src).dtype} "
+                        f"to {fout.dtype}")
         return src, ("bias", _vector_bias(bias, node))
     if M.is_call(node, M.MUL):
         _require(call, "input", "other")

@@ -1,0 +1,134 @@
+"""Differential fuzzer for tensorized models, through the public API only.
+
+Random models (an Embedding with random sizes and index patterns, then one or two Linear layers with
+random, often prime, sizes, with or without bias) are tensorized with random formats, ranks, core
+counts and padding (``cc.tensorize_``), compiled with ``backend="comera"`` and compared with:
+
+* the same model densified (``cc.densify_``), run eagerly: the output and the input/bias gradients;
+* the same tensorized model run eagerly (the weights materialized): the gradients of every core and gate.
+
+Run it alone with ``pytest -m fuzz tests/test_fuzz_tt.py``; ``COMERA_FUZZ_TT_EXAMPLES=<n>`` sets the
+number of examples and ``COMERA_FUZZ_SEED=<int>`` draws other ones (the default run is derandomized).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+import comera_compile as cc
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+EXAMPLES = int(os.environ.get("COMERA_FUZZ_TT_EXAMPLES", "20"))
+SEED = os.environ.get("COMERA_FUZZ_SEED")
+SIZES = [2, 3, 5, 7, 12, 16, 31, 37, 64, 97]
+
+
+@dataclass
+class Case:
+    vocab: int
+    dims: list[int]  # embedding dim, then each Linear's out_features
+    bias: list[bool]
+    configs: list[tuple]  # (rank, fmt, n_cores, max_pad) per layer
+    index_shape: tuple[int, ...]
+    index_pattern: str
+    seed: int
+
+    def config(self, i: int) -> cc.TTConfig:
+        rank, fmt, n_cores, max_pad = self.configs[i]
+        return cc.TTConfig(rank=rank, fmt=fmt, n_cores=n_cores, max_pad=max_pad, min_size=0)
+
+
+class Model(nn.Module):
+    def __init__(self, case: Case):
+        super().__init__()
+        self.emb = nn.Embedding(case.vocab, case.dims[0])
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias)
+                                    for a, b, bias in zip(case.dims, case.dims[1:], case.bias))
+
+    def forward(self, idx, x0):
+        x = self.emb(idx) + x0
+        for i, layer in enumerate(self.layers):
+            x = layer(x if i == 0 else torch.tanh(x))
+        return x
+
+
+@st.composite
+def cases(draw) -> Case:
+    n_linear = draw(st.integers(1, 2))
+    dims = [draw(st.sampled_from(SIZES)) for _ in range(n_linear + 1)]
+    configs = [(draw(st.integers(1, 8)), draw(st.sampled_from(["tt", "ttm", "auto"])), draw(st.sampled_from([None, 2, 3])),
+                draw(st.sampled_from([0.0, 0.1, 0.5]))) for _ in range(n_linear + 1)]
+    shape = draw(st.sampled_from([(5,), (2, 3), (1, 1), (3, 1, 4)]))
+    return Case(vocab=draw(st.sampled_from(SIZES[2:])), dims=dims, bias=[draw(st.booleans()) for _ in range(n_linear)],
+                configs=configs, index_shape=shape, index_pattern=draw(st.sampled_from(["random", "repeated", "edges"])),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+def _indices(case: Case, g: torch.Generator) -> torch.Tensor:
+    n = 1
+    for s in case.index_shape:
+        n *= s
+    if case.index_pattern == "repeated":
+        flat = torch.full((n,), int(torch.randint(0, case.vocab, (1,), generator=g)))
+    elif case.index_pattern == "edges":
+        flat = torch.tensor([0, case.vocab - 1] * n)[:n]
+    else:
+        flat = torch.randint(0, case.vocab, (n,), generator=g)
+    return flat.reshape(case.index_shape)
+
+
+def _loss_and_grads(model, idx, x0, probe, names, params_of=None):
+    x0 = x0.clone().requires_grad_()
+    out = model(idx, x0)
+    (out * probe).sum().backward()
+    params = dict((params_of or model).named_parameters())
+    grads = {n: params[n].grad for n in names}
+    return out.detach(), x0.grad, grads
+
+
+def check_case(case: Case) -> None:
+    torch.manual_seed(case.seed)
+    g = torch.Generator().manual_seed(case.seed)
+    model = Model(case)
+    names = ["emb"] + [f"layers.{i}" for i in range(len(case.dims) - 1)]
+    cc.tensorize_(model, {name: case.config(i) for i, name in enumerate(names)})
+    eager_tt = copy.deepcopy(model)
+    idx = _indices(case, g)
+    x0 = torch.randn(*case.index_shape, case.dims[0], generator=g)
+    probe = torch.randn(*case.index_shape, case.dims[-1], generator=g)
+    tt_names = [n for n, _ in model.named_parameters() if ".cores." in n or ".gates." in n]
+    bias_names = [n for n, _ in model.named_parameters() if n.endswith("bias")]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="comera", options={"inner": "aot_eager"})
+    out, dx, grads = _loss_and_grads(compiled, idx, x0, probe, tt_names + bias_names, params_of=model)
+    _, _, ref_tt = _loss_and_grads(eager_tt, idx, x0, probe, tt_names)
+    # densify_ last: it edits the class that a deep copy of a parametrized module shares
+    ref_out, ref_dx, ref_bias = _loss_and_grads(cc.densify_(model), idx, x0, probe, bias_names)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5, msg=lambda m: f"output vs densified: {m}")
+    torch.testing.assert_close(dx, ref_dx, rtol=1e-4, atol=1e-5, msg=lambda m: f"input grad vs densified: {m}")
+    for name, want in {**ref_bias, **ref_tt}.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.fuzz
+def test_fuzz_tensorized_models_match_densified():
+    print(f"tt fuzzer: {EXAMPLES} examples, " + (f"COMERA_FUZZ_SEED={SEED}" if SEED else "derandomized"))
+
+    @hypothesis.settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True, derandomize=SEED is None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(cases())
+    def run(case):
+        check_case(case)
+
+    if SEED is not None:
+        run = hypothesis.seed(int(SEED))(run)
+    run()
