@@ -1,12 +1,23 @@
 """Train a small GPT-style language model on the Python standard library's own sources, through comera.
 
-    PYTHONPATH=. python examples/train_lm.py                       # CPU or GPU, byte tokens, backend "comera"
-    PYTHONPATH=. python examples/train_lm.py --backend eager       # the same model without torch.compile
-    PYTHONPATH=. python examples/train_lm.py --tokenizer bpe --vocab-size 4096 --device cuda --steps 2000
+    python examples/train_lm.py                                    # CPU or GPU, byte tokens, backend "comera"
+    python examples/train_lm.py --backend eager                    # the same model without torch.compile
+    python examples/train_lm.py --tokenizer bpe --vocab-size 4096 --device cuda --steps 2000
+    python examples/train_lm.py --preset gpu                       # d_model 768, 6 layers, BPE 16k, bf16 (one GPU)
+    python examples/train_lm.py --preset gpu --tensorize 32 --fmt ttm      # TT-matrix blocks of rank 32
 
 The model is written the way users write one (pre-LN blocks, causal attention through
 F.scaled_dot_product_attention, a tied LM head and F.cross_entropy on shifted logits): the backend finds
 the patterns it rewrites by itself. The corpus is read from the running interpreter, so nothing is downloaded.
+
+Presets set the defaults that flags given on the command line override:
+  cpu (default): d_model 128, 2 layers, 4 heads, fused qkv, byte tokens, seq 128, batch 16, lr 3e-3, 150 steps
+  gpu: d_model 768, 6 layers, 12 heads, separate q/k/v, BPE vocabulary 16384, seq 512, batch 32,
+       lr 1e-3, 1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches
+
+Compression: --tensorize RANK tensorizes the kinds of layer --compress names (attn, mlp, tok, pos, head;
+default attn,mlp: the transformer blocks). --tensorize, --fmt and --tt-init-std take one value for every
+kind or KIND=VALUE pairs, e.g. --tensorize attn=32,mlp=16 --fmt attn=tt,mlp=ttm,emb=ttm (emb: tok and pos).
 """
 
 from __future__ import annotations
@@ -15,10 +26,14 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import resource
+import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -32,20 +47,42 @@ try:  # registers the "comera" backend in a source checkout; an installed packag
 except ImportError:  # pragma: no cover - the example still runs with torch's own backends
     cc = None
 
+KINDS = ("attn", "mlp", "tok", "pos", "head")  # the layer kinds --compress selects
+KIND_KEYS = KINDS + ("emb",)  # keys of KIND=VALUE options; emb: tok and pos
+
+PRESETS = {
+    "cpu": dict(steps=150, batch_size=16, seq_len=128, lr=3e-3, d_model=128, n_layers=2, n_heads=4, qkv="fused",
+                tokenizer="bytes", vocab_size=None, precision="auto", device="auto", eval_every=50, eval_batches=8),
+    "gpu": dict(steps=1000, batch_size=32, seq_len=512, lr=1e-3, d_model=768, n_layers=6, n_heads=12,
+                qkv="separate", tokenizer="bpe", vocab_size=16384, precision="bf16", device="cuda", eval_every=100,
+                eval_batches=16),
+}
+
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    """``qkv="fused"``: one ``qkv`` Linear (GPT-2); ``"separate"``: ``q``, ``k``, ``v`` Linears (Llama),
+    which a tensor-train layer compresses separately instead of into one shared subspace."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, qkv: str = "fused"):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"--d-model {d_model} must be divisible by --n-heads {n_heads}")
+        if qkv not in ("fused", "separate"):
+            raise ValueError(f"--qkv must be 'fused' or 'separate', got {qkv!r}")
         self.n_heads = n_heads
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.fused = qkv == "fused"
+        if self.fused:
+            self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        else:
+            self.q = nn.Linear(d_model, d_model, bias=False)
+            self.k = nn.Linear(d_model, d_model, bias=False)
+            self.v = nn.Linear(d_model, d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
+        q, k, v = self.qkv(x).split(dim, dim=2) if self.fused else (self.q(x), self.k(x), self.v(x))
         q = q.view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)
         k = k.view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)
         v = v.view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)
@@ -67,10 +104,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, qkv: str = "fused"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, qkv)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
         self.drop = nn.Dropout(dropout)
@@ -81,14 +118,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int, dropout: float = 0.0):
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
+                 dropout: float = 0.0, qkv: str = "fused", tie_head: bool = True):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout, qkv) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied input/output embeddings
+        if tie_head:
+            self.lm_head.weight = self.tok_emb.weight  # tied input/output embeddings
         self.apply(self._init_weights)
 
     @staticmethod
@@ -112,64 +151,198 @@ class GPT(nn.Module):
         return F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]).float(), shift_labels.reshape(-1))
 
 
+def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device | str = "cpu") -> GPT:
+    """The example's model as the flags describe it (dense; :func:`compress` tensorizes it)."""
+    with torch.device(device):
+        return GPT(vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads, args.dropout, args.qkv,
+                   tie_head=args.head == "tied")
+
+
+def layer_kind(fqn: str) -> str | None:
+    """Which of :data:`KINDS` the module ``fqn`` of :class:`GPT` is (None: not a compressible layer)."""
+    parts = fqn.split(".")
+    if fqn in ("tok_emb", "pos_emb"):
+        return fqn[:3]
+    if fqn == "lm_head":
+        return "head"
+    if len(parts) == 4 and parts[0] == "blocks" and parts[2] in ("attn", "mlp"):
+        return parts[2]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+def per_kind(cast: Callable[[str], object], what: str) -> Callable[[str], dict]:
+    """An argparse type for ``VALUE`` (every kind) or ``KIND=VALUE,KIND=VALUE`` (those kinds)."""
+
+    def parse(text: str) -> dict:
+        if "=" not in text:
+            return {"*": _cast(cast, text, what)}
+        out = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or key not in KIND_KEYS:
+                raise argparse.ArgumentTypeError(
+                    f"{item!r}: expected KIND={what} with KIND one of {', '.join(KIND_KEYS)} (emb: tok and pos)")
+            out[key] = _cast(cast, value, what)
+        return out
+
+    return parse
+
+
+def _cast(cast, value: str, what: str):
+    try:
+        return cast(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a valid {what}") from None
+
+
+def _rank(value: str) -> int | str:
+    """A positive int, or "default": TTConfig's own default rank."""
+    if value == "default":
+        return value
+    rank = int(value)
+    if rank < 1:
+        raise ValueError(value)
+    return rank
+
+
+def _fmt(value: str) -> str:
+    if value not in ("auto", "tt", "ttm"):
+        raise ValueError(value)
+    return value
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown kinds {bad}; valid: {', '.join(KINDS)}")
+    return kinds
+
+
+def for_kind(mapping: dict | None, kind: str):
+    """The value of ``mapping`` (from :func:`per_kind`) for one layer kind, or None."""
+    if not mapping:
+        return None
+    for key in (kind, "emb" if kind in ("tok", "pos") else None, "*"):
+        if key in mapping:
+            return mapping[key]
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="defaults for the flags below (see above)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=150)
-    g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--seq-len", type=int, default=128)
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warmup, cosine decay)")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--seq-len", type=int)
+    g.add_argument("--lr", type=float, help="peak learning rate (linear warmup, cosine decay to 10%%)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
-    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1, help="on dense matrices and embeddings")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="initialization and training batches (not the validation set)")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=128)
-    g.add_argument("--n-layers", type=int, default=2)
-    g.add_argument("--n-heads", type=int, default=4)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--n-layers", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--qkv", choices=["fused", "separate"], help="one qkv projection or separate q, k, v")
+    g.add_argument("--head", choices=["tied", "untied"], default="tied",
+                   help="LM head tied to the token embedding (default) or its own matrix")
     g.add_argument("--dropout", type=float, default=0.0)
     g = p.add_argument_group("data")
-    g.add_argument("--tokenizer", choices=["bytes", "bpe"], default="bytes",
+    g.add_argument("--tokenizer", choices=["bytes", "bpe"],
                    help="bytes: vocabulary 256, no dependency; bpe: trained here on the corpus (needs `tokenizers`)")
-    g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 4096)")
+    g.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default 4096)")
     g.add_argument("--max-corpus-mb", type=float, default=None, help="read at most this much of the stdlib (quick runs)")
+    g.add_argument("--cache-dir", type=Path, default=_default_cache_dir(),
+                   help="BPE tokenizer and tokenized corpus cache, shared by concurrent runs (default: %(default)s)")
+    g.add_argument("--no-cache", action="store_true", help="train and tokenize again, write no cache")
     g = p.add_argument_group("compilation and device")
     g.add_argument("--backend", default="comera",
                    help='torch.compile backend: "comera" (default), any torch backend name, or "eager" for no torch.compile')
     g.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
                    help='passed to torch.compile(options=...), e.g. \'{"inner": "aot_eager"}\'')
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA graphs in the compiled model (backends comera and inductor); pays off when kernel "
+                        "launches dominate, e.g. tensor-train layers")
     g.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
     g.add_argument("--explain", action="store_true",
                    help="backend comera: print cc.explain's report (rewrites, skipped candidates, graphs) first")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 autocast on GPU, fp32 on CPU")
-    g = p.add_argument_group("compression (issues 4 and 6)")
-    g.add_argument("--tensorize", type=int, default=None, metavar="RANK",
-                   help="tensorize Linear and Embedding layers to tensor trains of this rank (cc.tensorize_)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto: bf16 autocast on GPU, fp32 on CPU")
+    g = p.add_argument_group("compression")
+    g.add_argument("--tensorize", type=per_kind(_rank, "RANK"), default=None, metavar="RANK",
+                   help="tensorize the --compress layers to tensor trains of this rank (cc.tensorize_), "
+                        "'default' (TTConfig's default rank), or per kind: attn=32,mlp=16")
+    g.add_argument("--compress", type=_kinds, default=("attn", "mlp"), metavar="KINDS",
+                   help=f"which layers --tensorize compresses, from {','.join(KINDS)} (default: attn,mlp); "
+                        "tok or head with the tied head needs --tied share or untie (or --head untied)")
+    g.add_argument("--tied", choices=["skip", "share", "untie"], default="skip",
+                   help="tensorize_(tied=...) for the tied token embedding and head: skip (stay dense), share "
+                        "(one TT for both), untie (a TT each)")
+    g.add_argument("--fmt", type=per_kind(_fmt, "FMT"), default=None, metavar="FMT",
+                   help="TTConfig.fmt: auto (default), tt or ttm; or per kind: attn=tt,mlp=ttm,emb=ttm")
+    g.add_argument("--tt-init", choices=["random", "svd"], default="random",
+                   help="svd: TT-SVD of the current weights (with --init-from: of a trained dense model)")
+    g.add_argument("--tt-init-std", type=per_kind(float, "STD"), default=None, metavar="STD",
+                   help="TTConfig.init_std: std of the initial weight (default: tensorize_'s); or per kind")
+    g.add_argument("--gate-init", type=float, default=1.0,
+                   help="start the rank gates at this value, the cores rescaled so the weights do not change")
+    g.add_argument("--core-lr-scale", type=float, default=1.0, help="learning rate of the TT cores / --lr")
+    g.add_argument("--gate-lr-scale", type=float, default=10.0, help="learning rate of the rank gates / --lr")
+    g.add_argument("--core-weight-decay", type=float, default=0.0, help="weight decay on the TT cores")
     g.add_argument("--rank-adapt", type=float, default=None, metavar="TARGET_COMPRESSION",
                    help="rank-adaptive training toward this compression ratio (cc.RankAdaptation); needs --tensorize")
     g.add_argument("--rank-adapt-options", type=json.loads, default=None, metavar="JSON",
                    help='more RankAdaptation options, e.g. \'{"gamma": 0.002, "prune_every": 25, "switch": 200}\'')
     g.add_argument("--rank-plot", type=Path, default=None, metavar="PNG",
                    help="with --rank-adapt: plot ranks, compression and loss over training here (needs matplotlib)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--init-from", type=Path, default=None, metavar="PT",
+                   help="start from the dense model --save wrote (same architecture), before --tensorize")
+    g.add_argument("--save", type=Path, default=None, metavar="PT", help="save the trained model's state_dict here")
     g = p.add_argument_group("logging")
-    g.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps and at the end; 0: end only")
-    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--eval-every", type=int, help="validation loss every N steps and at the end; 0: end only")
+    g.add_argument("--eval-batches", type=int, help="size of the fixed validation set, in batches")
     g.add_argument("--log-every", type=int, default=None, help="without tqdm: print a line every N steps")
     g.add_argument("--sample-tokens", type=int, default=0, help="after training, print this many sampled tokens")
     g.add_argument("--no-progress", action="store_true", help="plain lines instead of a tqdm progress bar")
-    g.add_argument("--out", type=Path, default=None, help="write a JSON log (per-step loss, tokens/s, evals) here")
+    g.add_argument("--out", type=Path, default=None,
+                   help="write a JSON log (per-step loss, evals, sizes, step time, memory) here, updated at every eval")
+    preset = p.parse_known_args(argv)[0].preset
+    p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "comera-compile" / "train_lm"
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
     if (args.rank_adapt_options or args.rank_plot) and args.rank_adapt is None:
         p.error("--rank-adapt-options and --rank-plot need --rank-adapt TARGET_COMPRESSION")
-    if args.backend == "eager" and (args.compile_options or args.dynamic):
-        p.error("--compile-options and --dynamic apply to torch.compile; --backend eager does not compile")
+    if args.tensorize is not None:
+        missing = [k for k in args.compress if for_kind(args.tensorize, k) is None]
+        if missing:
+            p.error(f"--tensorize gives no rank for the compressed kinds {missing} (--compress {','.join(args.compress)})")
+    elif args.tt_init != "random" or args.fmt or args.tt_init_std:
+        p.error("--fmt, --tt-init and --tt-init-std need --tensorize RANK")
+    if args.backend == "eager" and (args.compile_options or args.dynamic or args.cuda_graphs):
+        p.error("--compile-options, --dynamic and --cuda-graphs apply to torch.compile; --backend eager does not compile")
+    if args.cuda_graphs and args.backend not in ("comera", "inductor"):
+        p.error("--cuda-graphs needs --backend comera or inductor")
     if args.explain and args.backend != "comera":
         p.error("--explain reports what the comera backend rewrites; it needs --backend comera")
-    return args
+
+
+# ------------------------------------------------------------------------------------------------ setup
 
 
 def pick_device(choice: str) -> torch.device:
@@ -180,46 +353,118 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak GPU memory allocated by torch, or on CPU the process's peak resident set size."""
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak GPU memory allocated and reserved by torch, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+    rss = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
+    return {"allocated": rss, "reserved": rss}
 
 
-def learning_rate(step: int, args: argparse.Namespace) -> float:
+def lr_factor(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to 1, then cosine decay to 0.1: each parameter group's lr is its base lr times this."""
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 20)
     if step < warmup:
-        return args.lr * (step + 1) / warmup
+        return (step + 1) / warmup
     progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def tt_configs(model: nn.Module, args: argparse.Namespace) -> dict:
+    """``{module name: cc.TTConfig}`` for the layers of the ``--compress`` kinds. A tie that
+    tensorize_ shares or unties (``--tied``) is one weight: selecting either module selects both,
+    with the token embedding's config."""
+    kinds = set(args.compress)
+    tie = args.head == "tied" and args.tied != "skip" and kinds & {"tok", "head"}
+    configs = {}
+    for fqn, module in model.named_modules():
+        kind = layer_kind(fqn)
+        if kind not in kinds and not (tie and kind in ("tok", "head")):
+            continue
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        if tie and kind in ("tok", "head"):
+            kind = "tok" if "tok" in kinds else "head"
+        options = dict(fmt=for_kind(args.fmt, kind) or "auto", init=args.tt_init,
+                       init_std=for_kind(args.tt_init_std, kind))
+        rank = for_kind(args.tensorize, kind)
+        configs[fqn] = cc.TTConfig(**options) if rank == "default" else cc.TTConfig(rank=rank, **options)
+    return configs
 
 
 def compress(model: nn.Module, args: argparse.Namespace) -> None:
-    """Hook for issue 4: tensorize before the optimizer is built, so it sees the cores."""
+    """Tensorize before the optimizer is built, so it sees the cores."""
     if args.tensorize is None:
         return
-    if cc is None or not hasattr(cc, "tensorize_"):
-        raise NotImplementedError("--tensorize needs comera_compile.tensorize_ (issue 4), not available in this build")
-    cc.tensorize_(model, cc.TTConfig(rank=args.tensorize))
-    if hasattr(cc, "compression_report"):
-        print(cc.compression_report(model))
+    if cc is None:
+        raise RuntimeError("--tensorize needs the comera_compile package (pip install -e .)")
+    cc.tensorize_(model, tt_configs(model, args), tied=args.tied)
+    report = cc.compression_report(model)
+    print(report)
+    skipped = [s.fqn for s in report.skipped if layer_kind(s.fqn) in args.compress]
+    if skipped:
+        warnings.warn(f"--compress {','.join(args.compress)}: {skipped} stayed dense (reasons above)", stacklevel=2)
+    if args.gate_init != 1.0:
+        set_gate_init(model, args.gate_init)
+
+
+@torch.no_grad()
+def set_gate_init(model: nn.Module, value: float) -> None:
+    """Gates at ``value``, the core right of each gate divided by it: every weight stays the same."""
+    if not value > 0:
+        raise ValueError(f"--gate-init must be > 0, got {value}")
+    for layer in cc.iter_tt_layers(model):
+        for k, gate in enumerate(layer.gates):
+            core = layer.cores[k + 1]  # gate k sits between cores k and k + 1, on the next core's first dim
+            core.mul_((gate / value).view(-1, *[1] * (core.dim() - 1)))
+            gate.fill_(value)
+
+
+def block_parameters(model: nn.Module) -> int:
+    """Parameters of the transformer blocks (attention, MLP and norms)."""
+    return sum(p.numel() for p in model.blocks.parameters())
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over cc.param_groups (TT cores, rank gates, decayed matrices, undecayed vectors); fused on GPU."""
+    if cc is not None:
+        groups = cc.param_groups(model, args.lr, weight_decay=args.weight_decay,
+                                 core_lr=args.lr * args.core_lr_scale, gate_lr=args.lr * args.gate_lr_scale,
+                                 core_weight_decay=args.core_weight_decay)
+    else:  # pragma: no cover - without the package: no TT layers either
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda" or None)
 
 
 def rank_adaptation(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace):
-    """Hook for issue 6: the ranker registers optimizer step hooks; the training loop is unchanged."""
+    """The ranker registers optimizer step hooks; the training loop is unchanged."""
     if args.rank_adapt is None:
         return None
-    try:
-        from comera_compile.rank_adaptation import RankAdaptation
-    except ImportError:
-        raise NotImplementedError("--rank-adapt needs comera_compile.RankAdaptation (issue 6), not available in this build") from None
-    ranker = RankAdaptation(model, opt, target_compression=args.rank_adapt, **(args.rank_adapt_options or {}))
+    ranker = cc.RankAdaptation(model, opt, target_compression=args.rank_adapt, **(args.rank_adapt_options or {}))
     print(f"rank adaptation: target {args.rank_adapt:g}x of {ranker.dense_params:,} dense parameters "
           f"(<= {ranker.target_params:,.0f}); gamma {ranker.gamma:g}, prune every {ranker.prune_every} steps, "
-          f"switch {ranker.switch}")
+          f"threshold {ranker.threshold:g}, switch {ranker.switch}")
     return ranker
+
+
+def compile_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    if args.backend == "eager":
+        return model
+    options = dict(args.compile_options or {})
+    if args.cuda_graphs:
+        options["cudagraphs" if args.backend == "comera" else "triton.cudagraphs"] = True
+    return torch.compile(model, backend=args.backend, options=options or None, dynamic=args.dynamic or None)
+
+
+def load_checkpoint(model: nn.Module, path: Path, device: torch.device) -> None:
+    state = torch.load(path, map_location=device, weights_only=True)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as error:
+        raise RuntimeError(f"--init-from {path}: not a checkpoint of this dense model (same --d-model, --n-layers, "
+                           f"--qkv, --head, vocabulary, saved by a run without --tensorize): {error}") from None
 
 
 class Progress:
@@ -266,13 +511,13 @@ def _round_interval(n: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TokenData, args: argparse.Namespace, device: torch.device, autocast) -> float:
+def evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device, autocast) -> float:
+    """Mean loss over the fixed validation batches."""
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(args.seed + 1)  # the same validation batches every time
     losses = []
-    for _ in range(args.eval_batches):
-        batch = data.batch("val", args.batch_size, args.seq_len, generator).to(device)
+    for batch in batches:
+        batch = batch.to(device)
         with autocast():
             losses.append(model(batch, batch).item())
     model.train(was_training)
@@ -292,59 +537,83 @@ def sample(model: nn.Module, data: TokenData, args: argparse.Namespace, device: 
     return data.tokenizer.decode(ids[0].tolist())
 
 
+def write_log(log: dict, path: Path | None) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(log, indent=1, default=str))
+    os.replace(tmp, path)  # a reader (the study runner) never sees half a file
+
+
+def step_time(steps: list[dict]) -> float | None:
+    """Median step time without the first tenth of the run (compilation, warm-up)."""
+    seconds = [s["seconds"] for s in steps[max(1, len(steps) // 10):]]
+    return statistics.median(seconds) if seconds else None
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Train and return the log (the same dict ``--out`` writes)."""
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.cuda.reset_peak_memory_stats(device)
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     max_bytes = int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None
-    data = load_token_data(args.tokenizer, args.vocab_size, max_bytes=max_bytes)
+    data = load_token_data(args.tokenizer, args.vocab_size, max_bytes=max_bytes,
+                           cache_dir=None if args.no_cache else args.cache_dir)
     print(f"corpus: {data.corpus.num_train_files} train / {data.corpus.num_val_files} val files from "
           f"{data.corpus.root}; {data.train.numel():,} / {data.val.numel():,} tokens "
-          f"({data.tokenizer.name}, vocab {data.tokenizer.vocab_size}) in {data.seconds:.1f}s")
+          f"({data.tokenizer.name}, vocab {data.tokenizer.vocab_size}) in {data.seconds:.1f}s"
+          + (f" ({'cached' if data.from_cache else 'now cached'} in {data.cache})" if data.cache else ""))
 
-    model = GPT(data.tokenizer.vocab_size, args.seq_len, args.d_model, args.n_layers, args.n_heads, args.dropout)
-    model.to(device)
-    dense_params = sum(p.numel() for p in model.parameters())
+    model = build_model(args, data.tokenizer.vocab_size, device)
+    if args.init_from is not None:
+        load_checkpoint(model, args.init_from, device)
+    dense_params, dense_block_params = sum(p.numel() for p in model.parameters()), block_parameters(model)
     compress(model, args)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda" or None,
-    )
+    opt = make_optimizer(model, args, device)
+    base_lrs = [group["lr"] for group in opt.param_groups]
     ranker = rank_adaptation(model, opt, args)
-
-    if args.backend == "eager":
-        compiled = model
-    else:
-        compiled = torch.compile(model, backend=args.backend, options=args.compile_options, dynamic=args.dynamic or None)
-    print(f"model: {n_params / 1e6:.2f}M parameters, d_model {args.d_model}, {args.n_layers} layers, "
-          f"{args.n_heads} heads | backend {args.backend} | device {device}{' (bf16 autocast)' if bf16 else ''}")
+    compiled = compile_model(model, args)
+    print(f"model: {n_params / 1e6:.2f}M parameters ({dense_params / max(n_params, 1):.1f}x), d_model {args.d_model}, "
+          f"{args.n_layers} layers, {args.n_heads} heads, qkv {args.qkv}, head {args.head} | backend {args.backend}"
+          f"{' + CUDA graphs' if args.cuda_graphs else ''} | device {device}{' (bf16 autocast)' if bf16 else ''}")
     if args.explain:
         example = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
         with autocast():
             print(cc.explain(compiled, example.to(device), example.to(device)))
 
     log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "device": str(device), "dense_parameters": dense_params, "parameters": n_params, "steps": [], "evals": []}
+           "device": str(device), "dense_parameters": dense_params, "parameters": n_params,
+           "block_dense_parameters": dense_block_params, "block_parameters": block_parameters(model),
+           "param_groups": [{"name": g.get("name"), "lr": g["lr"], "weight_decay": g["weight_decay"],
+                             "parameters": sum(p.numel() for p in g["params"])} for g in opt.param_groups],
+           "steps": [], "evals": [], "complete": False}
+    val_batches = data.eval_batches(args.batch_size, args.seq_len, args.eval_batches)
     generator = torch.Generator().manual_seed(args.seed)
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args.steps, args.log_every, enabled=not args.no_progress)
     timed_tokens, timed_seconds = 0, 0.0
     start = time.perf_counter()
     for step in range(args.steps):
-        lr = learning_rate(step, args)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        factor = lr_factor(step, args)
+        for group, base in zip(opt.param_groups, base_lrs):
+            group["lr"] = base * factor
         batch = data.batch("train", args.batch_size, args.seq_len, generator).to(device, non_blocking=True)
         t0 = time.perf_counter()
+        if args.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             loss = compiled(batch, batch)
         loss.backward()
@@ -361,41 +630,57 @@ def main(argv: list[str] | None = None) -> dict:
             log["first_step_s"] = seconds
         if not math.isfinite(loss_value):
             progress.close()
-            raise FloatingPointError(f"loss became {loss_value} at step {step + 1}")
-        log["steps"].append({"step": step + 1, "loss": loss_value, "lr": lr, "seconds": seconds,
+            log["error"] = f"loss became {loss_value} at step {step + 1}"
+            write_log(log, args.out)
+            raise FloatingPointError(log["error"])
+        log["steps"].append({"step": step + 1, "loss": loss_value, "lr": args.lr * factor, "seconds": seconds,
                              "tokens_per_s": tokens_per_step / seconds})
         avg_rate = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / seconds
+        stats = {"loss": f"{loss_value:.3f}", "tok_s": f"{avg_rate:,.0f}"}
         if ranker is not None:
             rank_state = ranker.history[-1]
             log["steps"][-1].update(params=rank_state["params"], compression=rank_state["compression"],
                                     stage=rank_state["stage"])
-            progress.update(step, loss=f"{loss_value:.3f}", tok_s=f"{avg_rate:,.0f}",
-                            ratio=f"{rank_state['compression']:.1f}x", stage=rank_state["stage"])
-        else:
-            progress.update(step, loss=f"{loss_value:.3f}", tok_s=f"{avg_rate:,.0f}")
+            stats.update(ratio=f"{rank_state['compression']:.1f}x", stage=rank_state["stage"])
+        progress.update(step, **stats)
         last = step + 1 == args.steps
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
-            val_loss = evaluate(compiled, data, args, device, autocast)
-            log["evals"].append({"step": step + 1, "val_loss": val_loss})
+            val_loss = evaluate(compiled, val_batches, device, autocast)
+            log["evals"].append({"step": step + 1, "val_loss": val_loss,
+                                 "parameters": sum(p.numel() for p in model.parameters())})
             progress.write(f"step {step + 1:>5}: train loss {loss_value:.4f}  val loss {val_loss:.4f}  "
                            f"({val_loss / math.log(2):.3f} bits/token)")
+            write_log(log, args.out)
     progress.close()
+    finish(log, model, compiled, ranker, data, args, device, time.perf_counter() - start,
+           timed_tokens / timed_seconds if timed_seconds else None)
+    return log
 
-    log["total_s"] = time.perf_counter() - start
-    log["tokens_per_s"] = timed_tokens / timed_seconds if timed_seconds else None
-    log["peak_memory_bytes"] = peak_memory_bytes(device)
+
+def finish(log: dict, model: nn.Module, compiled: nn.Module, ranker, data: TokenData, args: argparse.Namespace,
+           device: torch.device, total_s: float, tokens_per_s: float | None) -> None:
+    """Sizes, speed and memory into the log; the summary lines; the rank plot, sample, checkpoint and JSON."""
+    memory = peak_memory(device)
+    final_params = sum(p.numel() for p in model.parameters())
+    log.update(total_s=total_s, tokens_per_s=tokens_per_s, step_time_s=step_time(log["steps"]),
+               peak_memory_bytes=memory["allocated"], peak_memory_reserved_bytes=memory["reserved"],
+               final_parameters=final_params, compression=log["dense_parameters"] / final_params,
+               final_block_parameters=block_parameters(model),
+               block_compression=log["block_dense_parameters"] / max(block_parameters(model), 1),
+               val_loss=log["evals"][-1]["val_loss"])
     memory_kind = "GPU memory allocated" if device.type == "cuda" else "RSS"
-    rate = f"{log['tokens_per_s']:,.0f} tokens/s" if log["tokens_per_s"] else "n/a tokens/s"
+    rate = f"{tokens_per_s:,.0f} tokens/s" if tokens_per_s else "n/a tokens/s"
     first = "first step (compiling)" if compiled is not model else "first step"
-    print(f"done: {args.steps} steps in {log['total_s']:.1f}s ({first} {log['first_step_s']:.1f}s) | {rate} | loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} "
-          f"| val {log['evals'][-1]['val_loss']:.3f} | peak {memory_kind} {log['peak_memory_bytes'] / 2**20:,.0f} MiB")
-    log["final_parameters"] = sum(p.numel() for p in model.parameters())
-    log["compression"] = dense_params / log["final_parameters"]
+    print(f"done: {args.steps} steps in {total_s:.1f}s ({first} {log['first_step_s']:.1f}s) | {rate} | "
+          f"loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} | val {log['val_loss']:.3f} | "
+          f"peak {memory_kind} {memory['allocated'] / 2**20:,.0f} MiB | {final_params:,} parameters "
+          f"({log['compression']:.1f}x, blocks {log['block_compression']:.1f}x)")
     if ranker is not None:
         log["rank_history"] = ranker.history
         log["prune_events"] = ranker.prune_events
-        print(f"rank adaptation: {ranker.prune_events} pruning events, stage {ranker.stage}, "
-              f"{log['final_parameters']:,} parameters ({log['compression']:.1f}x); ranks {ranker.ranks()}")
+        log["first_prune_step"] = next((h["step"] for h in ranker.history if h["params"] < log["parameters"]), None)
+        print(f"rank adaptation: {ranker.prune_events} pruning events (first at step {log['first_prune_step']}), "
+              f"stage {ranker.stage}, ranks {ranker.ranks()}")
         if args.rank_plot is not None:
             args.rank_plot.parent.mkdir(parents=True, exist_ok=True)
             ranker.plot(str(args.rank_plot), losses=[(e["step"], e["loss"]) for e in log["steps"]])
@@ -404,11 +689,14 @@ def main(argv: list[str] | None = None) -> dict:
         text = sample(model, data, args, device, prompt="def ")
         print("sample:\n" + text)
         log["sample"] = text
+    if args.save is not None:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "args": log["args"]}, args.save)
+        print(f"model saved to {args.save}")
+    log["complete"] = True
+    write_log(log, args.out)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(log, indent=1, default=str))
         print(f"log written to {args.out}")
-    return log
 
 
 if __name__ == "__main__":

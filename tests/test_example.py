@@ -116,3 +116,127 @@ def test_bad_flags_are_rejected():
         train_lm.parse_args(["--rank-adapt", "10"])  # needs --tensorize
     with pytest.raises(ValueError, match="divisible"):
         train_lm.GPT(256, 16, d_model=30, n_layers=1, n_heads=4)
+
+
+# ---------------------------------------------------------------------------------- the GPU preset
+
+
+def _gpt_parameters(vocab, seq, d, layers, tied=True):
+    """The dense GPT's parameter count, written out: embeddings, per block q/k/v/proj (no bias), MLP
+    with biases, two LayerNorms; final LayerNorm; the head when untied."""
+    block = 4 * d * d + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * 2 * d
+    return vocab * d + seq * d + layers * block + 2 * d + (0 if tied else vocab * d)
+
+
+def test_gpu_preset_model_builds():
+    args = train_lm.parse_args(["--preset", "gpu"])
+    assert (args.d_model, args.n_layers, args.n_heads, args.qkv, args.tokenizer, args.vocab_size) == (
+        768, 6, 12, "separate", "bpe", 16384)
+    assert (args.precision, args.device, args.seq_len, args.batch_size) == ("bf16", "cuda", 512, 32)
+    model = train_lm.build_model(args, 16384, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == _gpt_parameters(16384, 512, 768, 6)
+    assert isinstance(model.blocks[0].attn.q, torch.nn.Linear) and not hasattr(model.blocks[0].attn, "qkv")
+
+    deep = train_lm.parse_args(["--preset", "gpu", "--n-layers", "12", "--tensorize", "32", "--fmt", "ttm"])
+    model = train_lm.build_model(deep, 16384, device="meta")
+    train_lm.compress(model, deep)
+    layers = {lay.fqn: lay for lay in train_lm.cc.iter_tt_layers(model)}
+    assert len(layers) == 12 * 6 and all(lay.spec.fmt == "ttm" for lay in layers.values())
+    assert {train_lm.layer_kind(f) for f in layers} == {"attn", "mlp"}  # embeddings stay dense by default
+    assert train_lm.block_parameters(model) < _gpt_parameters(0, 0, 768, 12) / 10  # ttm r32: ~14x
+
+
+def test_per_kind_compression_options():
+    args = train_lm.parse_args(["--preset", "gpu", "--tensorize", "attn=16,mlp=8,emb=4", "--fmt", "attn=tt,emb=ttm",
+                                "--compress", "attn,mlp,pos", "--tt-init-std", "pos=0.02", "--head", "untied"])
+    model = train_lm.build_model(args, 1000, device="meta")
+    configs = train_lm.tt_configs(model, args)
+    assert set(configs) == {f"blocks.{i}.{m}" for i in range(6) for m in
+                            ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "mlp.proj")} | {"pos_emb"}
+    assert (configs["blocks.0.attn.q"].rank, configs["blocks.0.attn.q"].fmt) == (16, "tt")
+    assert (configs["blocks.5.mlp.fc"].rank, configs["blocks.5.mlp.fc"].fmt) == (8, "auto")
+    assert (configs["pos_emb"].rank, configs["pos_emb"].fmt, configs["pos_emb"].init_std) == (4, "ttm", 0.02)
+    assert configs["blocks.0.attn.q"].init_std is None
+    tied = train_lm.parse_args(["--tensorize", "tok=8,head=4", "--compress", "tok", "--tied", "share"])
+    configs = train_lm.tt_configs(train_lm.build_model(tied, 256), tied)
+    assert set(configs) == {"tok_emb", "lm_head"} and configs["lm_head"] == configs["tok_emb"]  # one weight
+    assert configs["tok_emb"].rank == 8
+    default = train_lm.parse_args(["--tensorize", "default", "--compress", "mlp"])
+    assert train_lm.tt_configs(train_lm.build_model(default, 256), default)["blocks.0.mlp.fc"].rank == \
+        train_lm.cc.TTConfig().rank
+    for bad in (["--tensorize", "attn=16"], ["--tensorize", "8", "--fmt", "mlp=tensor"],
+                ["--tensorize", "8", "--compress", "attn,ffn"], ["--tensorize", "lm=8"], ["--fmt", "ttm"],
+                ["--backend", "eager", "--cuda-graphs"]):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(bad)
+
+
+def test_separate_qkv_computes_what_fused_qkv_computes():
+    """The same weights as one qkv matrix or as q, k, v: the same logits (an untied head too)."""
+    torch.manual_seed(0)
+    fused = train_lm.GPT(100, 16, d_model=32, n_layers=2, n_heads=4, qkv="fused", tie_head=False)
+    separate = train_lm.GPT(100, 16, d_model=32, n_layers=2, n_heads=4, qkv="separate", tie_head=False)
+    state = fused.state_dict()
+    for i in range(2):
+        q, k, v = state.pop(f"blocks.{i}.attn.qkv.weight").split(32)
+        state.update({f"blocks.{i}.attn.q.weight": q, f"blocks.{i}.attn.k.weight": k, f"blocks.{i}.attn.v.weight": v})
+    separate.load_state_dict(state)
+    ids = torch.randint(0, 100, (3, 16))
+    torch.testing.assert_close(separate(ids), fused(ids))
+    assert separate.lm_head.weight is not separate.tok_emb.weight
+
+
+def test_gate_init_keeps_the_weights():
+    args = train_lm.parse_args(["--d-model", "64", "--n-layers", "1", "--tensorize", "4", "--fmt", "ttm",
+                                "--compress", "mlp"])
+    torch.manual_seed(0)
+    model = train_lm.build_model(args, 256)
+    train_lm.compress(model, args)
+    before = model.blocks[0].mlp.fc.weight.detach().clone()
+    train_lm.set_gate_init(model, 0.1)
+    torch.testing.assert_close(model.blocks[0].mlp.fc.weight, before, rtol=1e-5, atol=1e-7)
+    assert all(bool((g == 0.1).all()) for lay in train_lm.cc.iter_tt_layers(model) for g in lay.gates)
+
+
+def test_help_matches_the_readme():
+    text = train_lm.parse_args.__globals__["__doc__"]
+    assert "PYTHONPATH" not in text and "python examples/train_lm.py --preset gpu" in text
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        train_lm.parse_args(["--help"])
+    assert "PYTHONPATH" not in out.getvalue() and "issue" not in out.getvalue().lower()
+
+
+def test_bpe_cache_is_reused_and_validation_is_fixed(tmp_path):
+    pytest.importorskip("tokenizers")
+    first = data.load_token_data("bpe", 300, max_bytes=300_000, cache_dir=tmp_path)
+    second = data.load_token_data("bpe", 300, max_bytes=300_000, cache_dir=tmp_path)
+    assert not first.from_cache and second.from_cache and second.cache == first.cache
+    assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
+    text = "for i in range(3):\n    print(i)\n"
+    assert second.tokenizer.decode(second.tokenizer.encode(text).tolist()) == text
+    assert torch.equal(second.tokenizer.encode(text), first.tokenizer.encode(text))
+    a, b = first.eval_batches(4, 16, 3), second.eval_batches(4, 16, 3)
+    assert len(a) == 3 and all(torch.equal(x, y) for x, y in zip(a, b))
+    starts = torch.cat(a)[:, :4]
+    assert torch.equal(starts[0], first.val[:4].long())  # evenly spaced from the first token on
+    assert data.load_token_data("bpe", 301, max_bytes=300_000, cache_dir=tmp_path).from_cache is False
+
+
+def test_checkpoint_then_tt_svd_fine_tune(tmp_path):
+    """--save a trained dense model, then --init-from it with TT-SVD of its MLP: the fine-tune starts
+    near where the dense run ended, far below a fresh start."""
+    ckpt = tmp_path / "dense.pt"
+    short = TINY + ["--d-model", "64", "--steps", "40", "--backend", "eager"]
+    dense = train_lm.main(short + ["--save", str(ckpt)])
+    tuned = train_lm.main(short + ["--steps", "2", "--init-from", str(ckpt), "--tt-init", "svd", "--tensorize", "16",
+                                   "--compress", "mlp", "--fmt", "ttm"])
+    fresh = train_lm.main(short + ["--steps", "2"])
+    assert tuned["parameters"] < tuned["dense_parameters"]
+    assert tuned["steps"][0]["loss"] < fresh["steps"][0]["loss"] - 1.0
+    assert tuned["steps"][0]["loss"] == pytest.approx(dense["steps"][-1]["loss"], abs=0.3)
+    with pytest.raises(RuntimeError, match="not a checkpoint of this dense model"):
+        train_lm.main(short + ["--steps", "1", "--d-model", "32", "--init-from", str(ckpt)])
