@@ -470,6 +470,7 @@ def test_cost_rule():
     assert choose_strategy(8192, 4096, 128256, bf16) == "chunked"  # flat logits keep half the tiles
     assert choose_strategy(8192, 32, 128256, bf16) == "fused"
     assert choose_strategy(8192, 2304, 256000, bf16, capture=True) != "sparse"
+    assert choose_strategy(8192, 4096, 128256, bf16, capture=True) not in ("sparse", "chunked")
     assert choose_strategy(8192, 4096, 128256, bf16, reduction="none") != "chunked"
     assert choose_strategy(8192, 4096, 128256, torch.float16) != "chunked"
 
