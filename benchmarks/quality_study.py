@@ -76,17 +76,19 @@ CONFIGS: dict[str, Config] = {
     "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM),
     "tt-r32": Config("blocks tt rank 32", ("--tensorize", "32", "--fmt", "tt")),
     # rank adaptation
-    "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r16 (defaults)",
-                        ("--tensorize", "64") + TTM, target_like="ttm-r16"),
+    "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r32 (RankAdaptation defaults)",
+                        ("--tensorize", "64") + TTM, target_like="ttm-r32"),
     "adapt-r64-g05": Config("adapt-r64 with gamma 0.5 (half the default push)",
                             ("--tensorize", "64", "--rank-adapt-options", '{"gamma": 0.5}') + TTM,
-                            target_like="ttm-r16"),
+                            target_like="ttm-r32"),
+    "adapt-r64-to16": Config("rank-adaptive from ttm r64 to the size of ttm-r16", ("--tensorize", "64") + TTM,
+                             target_like="ttm-r16"),
     "adapt-r64-flops": Config("adapt-r64 with the FLOPs-weighted penalty",
                               ("--tensorize", "64", "--rank-adapt-options", '{"weight": "flops"}') + TTM,
-                              target_like="ttm-r16"),
-    "svd-r64": Config("TT-SVD of the trained dense model at r64, then rank adaptation to ttm-r16's size",
+                              target_like="ttm-r32"),
+    "svd-r64": Config("TT-SVD of the trained dense model at r64, then rank adaptation to ttm-r32's size",
                       ("--init-from", "{ckpt:dense}", "--tt-init", "svd", "--tensorize", "64") + TTM,
-                      target_like="ttm-r16", steps_scale=0.1),
+                      target_like="ttm-r32", steps_scale=0.1),
     "svd-r32": Config("TT-SVD of the trained dense model at r32, fine-tuned at fixed rank",
                       ("--init-from", "{ckpt:dense}", "--tt-init", "svd", "--tensorize", "32") + TTM, steps_scale=0.1),
     # formats per layer kind, at equal parameters
@@ -118,11 +120,12 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
-GROUPS = {  # two GPU calls of at most 10 minutes each
+GROUPS = {  # two GPU calls of at most 10 minutes each; tt-all, ttm-r32+tok, dense-untied, ttm-r32-corelr3 are extra
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "tt-r32", "adapt-r64",
               "adapt-r64-g05", "svd-r64", "svd-r32"],
-    "second": ["adapt-r64-flops", "tt-attn", "tt-mlp", "tt-all", "ttm-r32-fused", "ttm-r32+pos", "ttm-r32+pos-std1",
-               "ttm-r32+pos-tt", "ttm-r32+tok", "ttm-r32+tok-shared", "dense-iso-all", "dense-untied", "ttm-r32-gate1x", "ttm-r32-corewd", "ttm-r32-corelr3"],
+    "second": ["adapt-r64-to16", "adapt-r64-flops", "tt-attn", "tt-mlp", "ttm-r32-fused", "ttm-r32+pos",
+               "ttm-r32+pos-std1", "ttm-r32+pos-tt", "ttm-r32+tok-shared", "dense-iso-all", "ttm-r32-gate1x",
+               "ttm-r32-corewd"],
 }
 
 
@@ -434,13 +437,14 @@ def _median_step(steps: list[dict]) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    dense = next((r["val_loss"] for r in rows if r["config"] == "dense" and r["val_loss"] is not None), None)
+    dense = dict(next((r["evals"] for r in rows if r["config"] == "dense"), []))  # step -> val loss
     head = ("config", "val loss", "vs dense", "parameters", "compression", "blocks", "step ms", "peak GiB (alloc / "
             "reserved)", "steps", "what")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         loss = r["val_loss"]
-        rel = f"{100 * (loss / dense - 1):+.1f} %" if loss is not None and dense else ""
+        ref = dense.get(r["eval_step"])  # dense at the same step (a stopped run may have fewer)
+        rel = f"{100 * (loss / ref - 1):+.1f} %" if loss is not None and ref else ""
         step = f"{1e3 * r['step_time_s']:.0f}{'' if r['step_time_alone'] else '*'}" if r["step_time_s"] else ""
         mem = (f"{r['peak_memory_bytes'] / 2**30:.1f} / {r['peak_memory_reserved_bytes'] / 2**30:.1f}"
                if r["peak_memory_bytes"] else "")
@@ -450,8 +454,9 @@ def table(rows: list[dict]) -> str:
             f"{r['parameters']:,}" if r["parameters"] else "", _ratio(r["compression"]), _ratio(r["block_compression"]),
             step, mem, done if r["eval_step"] else r["status"], r["doc"]]) + " |")
     lines.append("")
-    lines.append("step ms: median step time; * measured side by side with the other runs (inflated by the sharing), "
-                 "otherwise alone (--timing). steps: the step of the last validation / the run's steps.")
+    lines.append("vs dense: against the dense run's validation loss at the same step. step ms: median step time; "
+                 "* measured side by side with the other runs (inflated by the sharing), otherwise alone (--timing). "
+                 "steps: the step of the last validation / the run's steps.")
     return "\n".join(lines)
 
 

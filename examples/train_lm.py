@@ -648,6 +648,8 @@ def main(argv: list[str] | None = None) -> dict:
             val_loss = evaluate(compiled, val_batches, device, autocast)
             log["evals"].append({"step": step + 1, "val_loss": val_loss,
                                  "parameters": sum(p.numel() for p in model.parameters())})
+            memory = peak_memory(device)  # so far: a run stopped before the end still reports it
+            log.update(peak_memory_bytes=memory["allocated"], peak_memory_reserved_bytes=memory["reserved"])
             progress.write(f"step {step + 1:>5}: train loss {loss_value:.4f}  val loss {val_loss:.4f}  "
                            f"({val_loss / math.log(2):.3f} bits/token)")
             write_log(log, args.out)
