@@ -2,7 +2,7 @@
 trained at equal steps and tokens, side by side on one GPU, collected into a table and plots.
 
     python benchmarks/quality_study.py --list                            # the configurations
-    python benchmarks/quality_study.py --out-dir study                   # all of them, 8 at a time
+    python benchmarks/quality_study.py --out-dir study --configs first --deadline-s 530   # one GPU call
     python benchmarks/quality_study.py --out-dir study --configs dense,ttm-r32,adapt-r64 --steps 800
     python benchmarks/quality_study.py --out-dir study --timing --configs dense,ttm-r32   # step time, one at a time
     python benchmarks/quality_study.py --out-dir smoke --smoke           # CPU, tiny sizes: checks the pipeline
@@ -12,9 +12,11 @@ they share the GPU. A run that needs another's checkpoint (``svd-*`` start from 
 that one is done. ``--deadline-s`` stops what is still running in time to write the results: each run
 updates its JSON at every evaluation, so a stopped run reports its last validation loss (marked).
 Step times measured side by side are inflated by the sharing; ``--timing`` runs the configurations
-alone for ``--timing-steps`` steps and the table takes step time and memory from there when present.
+alone for ``--timing-steps`` steps and the table takes step time and memory from there when present
+(``--trained``: from the models the study saved, e.g. at the ranks rank adaptation ended with).
 
-Writes ``<out-dir>/runs/<config>.json`` (train_lm's logs), ``logs/<config>.txt`` (their output),
+Writes ``<out-dir>/runs/<config>.json`` (train_lm's logs), ``<config>.pt`` (the final models),
+``logs/runs-<config>.txt`` (their output),
 ``results.md`` (the table), ``results.json``, and the plots ``val_loss.png``, ``loss_vs_compression.png``
 and ``rank_adaptation.png``.
 """
@@ -65,7 +67,7 @@ TTM = ("--fmt", "ttm")
 EMB_STD = ("--tt-init-std", "emb=0.02")  # the dense model's embedding init (tensorize_'s default for Embedding is 1)
 CONFIGS: dict[str, Config] = {
     # the baselines
-    "dense": Config("dense baseline, seed 0", ("--save", "{out}/dense.pt")),
+    "dense": Config("dense baseline, seed 0"),
     "dense-s1": Config("dense, seed 1 (seed noise)", ("--seed", "1")),
     "dense-iso": Config("dense, narrower: the parameters of ttm-r32", iso_of="ttm-r32"),
     "defaults": Config("tensorize_ defaults on every layer (tied head/embedding skipped)",
@@ -120,11 +122,11 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
-GROUPS = {  # two GPU calls of at most 10 minutes each; tt-all, ttm-r32+tok, dense-untied, ttm-r32-corelr3 are extra
-    "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "tt-r32", "adapt-r64",
-              "adapt-r64-g05", "svd-r64", "svd-r32"],
-    "second": ["adapt-r64-to16", "adapt-r64-flops", "tt-attn", "tt-mlp", "ttm-r32-fused", "ttm-r32+pos",
-               "ttm-r32+pos-std1", "ttm-r32+pos-tt", "ttm-r32+tok-shared", "dense-iso-all", "ttm-r32-gate1x",
+GROUPS = {  # two GPU calls of at most 10 minutes each (the rest are extras)
+    "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
+              "svd-r32"],
+    "second": ["adapt-r64-to16", "adapt-r64-g05", "adapt-r64-flops", "tt-r32", "tt-attn", "tt-mlp", "ttm-r32-fused",
+               "ttm-r32+pos", "ttm-r32+pos-std1", "ttm-r32+tok-shared", "dense-iso-all", "ttm-r32-gate1x",
                "ttm-r32-corewd"],
 }
 
@@ -300,6 +302,11 @@ def plan(opts: argparse.Namespace, names: list[str], train_lm) -> list[Run]:
         flags, needs = resolve(name, opts, sizer, out)
         order += [n for n in needs if n not in runs]
         sub = "timing" if opts.timing else "runs"
+        trained = out / f"{name}.pt"  # every study run saves its final model
+        if not opts.timing:
+            flags += ["--save", str(trained)]
+        elif opts.trained and trained.exists():
+            flags += ["--init-from", str(trained)]  # time the model the study ended with (pruned ranks)
         runs[name] = Run(name, base + flags, needs, CONFIGS[name].doc, out / sub / f"{name}.json",
                          out / "logs" / f"{sub}-{name}.txt")
     if opts.timing:
@@ -418,7 +425,7 @@ def row(run: Run, log: dict, timing: dict) -> dict:
         "dense_parameters": log.get("dense_parameters"), "parameters": params,
         "compression": log["dense_parameters"] / params if params else None,
         "block_compression": log.get("block_compression") or _block_ratio(log),
-        "step_time_s": source.get("step_time_s") or _median_step(steps), "step_time_alone": bool(timing),
+        "step_time_s": source.get("step_time_s") or _median_step(steps), "step_time_alone": bool(timing) or run.json.parent.name == "timing",
         "peak_memory_bytes": source.get("peak_memory_bytes"),
         "peak_memory_reserved_bytes": source.get("peak_memory_reserved_bytes"),
         "first_prune_step": log.get("first_prune_step"), "flags": " ".join(run.flags),
@@ -481,7 +488,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
             ax.plot(xs, ys, marker=".", lw=1, label=r["config"], ls="--" if r["config"].startswith("dense") else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.legend(fontsize=7, ncol=2)
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
     written.append(_save(fig, out / "val_loss.png", plt))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -536,16 +544,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated names (--list) or groups ({', '.join(GROUPS)}: one GPU call each), or all")
     p.add_argument("--list", action="store_true", help="print the configurations and their flags, run nothing")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--concurrency", type=int, default=8, help="runs at a time on the one GPU (--smoke: 2)")
+    p.add_argument("--concurrency", type=int, default=13, help="runs at a time on the one GPU (--smoke: 2)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop the runs still going after this many seconds and report what they logged")
     p.add_argument("--extra", default="", help="more train_lm flags for every run, e.g. '--cuda-graphs'")
     p.add_argument("--cache-dir", type=Path, default=None, help="tokenizer cache (default: <out-dir>/cache)")
     p.add_argument("--timing", action="store_true", help="run each configuration alone, --timing-steps steps")
     p.add_argument("--timing-steps", type=int, default=40)
+    p.add_argument("--trained", action="store_true",
+                   help="with --timing: start each configuration from the model the study saved (<out-dir>/<config>.pt), "
+                        "so a rank-adapted one is timed at its final ranks")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the table and plots from the JSON logs already in <out-dir>/runs (and timing/), "
+                        "e.g. after copying two calls' runs/ into one folder")
     p.add_argument("--smoke", action="store_true",
                    help=f"CPU, tiny model and data, eager: checks the pipeline (defaults {SMOKE_SIZES})")
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
@@ -559,16 +573,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown configurations {unknown}; valid: {', '.join(CONFIGS)}")
     opts.names = names
-    if opts.cache_dir is None:
-        opts.cache_dir = opts.out_dir / "cache"
+    opts.out_dir = opts.out_dir.resolve()  # the runs start in the repository root
+    opts.cache_dir = (opts.cache_dir or opts.out_dir / "cache").resolve()
     if opts.timing:
         opts.concurrency = 1
     return opts
 
 
+def logged_runs(opts: argparse.Namespace) -> list[Run]:
+    """The runs whose JSON logs are in ``<out-dir>/runs``, as the study left them."""
+    runs = []
+    for name in opts.names:
+        path = opts.out_dir / "runs" / f"{name}.json"
+        if path.exists():
+            log = json.loads(path.read_text())
+            flags = [] if "args" not in log else [f"{k}={v}" for k, v in log["args"].items() if v not in (None, False)]
+            runs.append(Run(name, flags, [], CONFIGS[name].doc, path, opts.out_dir / "logs" / f"runs-{name}.txt",
+                            status="done" if log.get("complete") else "stopped"))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     opts = parse_args(argv)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
+    if opts.report_only:
+        runs = logged_runs(opts)
+        report(runs, opts)
+        return collect(runs, opts.out_dir)
     train_lm = load_train_lm()
     runs = plan(opts, opts.names, train_lm)
     if opts.list:

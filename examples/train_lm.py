@@ -302,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --rank-adapt: plot ranks, compression and loss over training here (needs matplotlib)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--init-from", type=Path, default=None, metavar="PT",
-                   help="start from the dense model --save wrote (same architecture), before --tensorize")
+                   help="start from a model --save wrote: a dense one before --tensorize (with --tt-init svd: "
+                        "TT-SVD of it), a tensorized one (its ranks) after")
     g.add_argument("--save", type=Path, default=None, metavar="PT", help="save the trained model's state_dict here")
     g = p.add_argument_group("logging")
     g.add_argument("--eval-every", type=int, help="validation loss every N steps and at the end; 0: end only")
@@ -458,13 +459,24 @@ def compile_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     return torch.compile(model, backend=args.backend, options=options or None, dynamic=args.dynamic or None)
 
 
-def load_checkpoint(model: nn.Module, path: Path, device: torch.device) -> None:
-    state = torch.load(path, map_location=device, weights_only=True)
+def read_checkpoint(path: Path, device: torch.device) -> dict:
+    """The model state --save wrote."""
+    return torch.load(path, map_location=device, weights_only=True)["model"]
+
+
+def is_tensorized(state: dict) -> bool:
+    return any(".parametrizations.weight." in key for key in state)
+
+
+def load_checkpoint(model: nn.Module, state: dict, path: Path) -> None:
+    """Load a dense checkpoint into the dense model, or a tensorized one (ranks pruned or not) into
+    the model tensorized by the same flags."""
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state)
     except RuntimeError as error:
-        raise RuntimeError(f"--init-from {path}: not a checkpoint of this dense model (same --d-model, --n-layers, "
-                           f"--qkv, --head, vocabulary, saved by a run without --tensorize): {error}") from None
+        raise RuntimeError(f"--init-from {path}: not a checkpoint of this model (same --d-model, --n-layers, --qkv, "
+                           f"--head, vocabulary; a tensorized one also the same --tensorize, --compress and --fmt): "
+                           f"{error}") from None
 
 
 class Progress:
@@ -577,10 +589,13 @@ def main(argv: list[str] | None = None) -> dict:
           + (f" ({'cached' if data.from_cache else 'now cached'} in {data.cache})" if data.cache else ""))
 
     model = build_model(args, data.tokenizer.vocab_size, device)
-    if args.init_from is not None:
-        load_checkpoint(model, args.init_from, device)
+    state = read_checkpoint(args.init_from, device) if args.init_from is not None else None
+    if state is not None and not is_tensorized(state):
+        load_checkpoint(model, state, args.init_from)  # before compress: --tt-init svd factors the trained weights
     dense_params, dense_block_params = sum(p.numel() for p in model.parameters()), block_parameters(model)
     compress(model, args)
+    if state is not None and is_tensorized(state):
+        load_checkpoint(model, state, args.init_from)
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, args, device)
     base_lrs = [group["lr"] for group in opt.param_groups]

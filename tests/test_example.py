@@ -238,5 +238,18 @@ def test_checkpoint_then_tt_svd_fine_tune(tmp_path):
     assert tuned["parameters"] < tuned["dense_parameters"]
     assert tuned["steps"][0]["loss"] < fresh["steps"][0]["loss"] - 1.0
     assert tuned["steps"][0]["loss"] == pytest.approx(dense["steps"][-1]["loss"], abs=0.3)
-    with pytest.raises(RuntimeError, match="not a checkpoint of this dense model"):
+    with pytest.raises(RuntimeError, match="not a checkpoint of this model"):
         train_lm.main(short + ["--steps", "1", "--d-model", "32", "--init-from", str(ckpt)])
+
+
+def test_pruned_checkpoint_reloads_at_its_ranks(tmp_path):
+    """A rank-adapted run's --save loads into the model the same flags tensorize: the pruned ranks
+    and the weights come back (what quality_study's timing pass of trained models relies on)."""
+    ckpt = tmp_path / "adapted.pt"
+    flags = TINY + ["--d-model", "64", "--backend", "eager", "--tensorize", "8", "--fmt", "ttm", "--compress", "mlp"]
+    adapted = train_lm.main(flags + ["--steps", "12", "--rank-adapt", "2", "--save", str(ckpt), "--rank-adapt-options",
+                                     '{"prune_every": 4, "threshold": 0.995}'])
+    assert adapted["prune_events"] >= 1
+    again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
+    assert again["parameters"] == adapted["final_parameters"]
+    assert again["steps"][0]["loss"] < adapted["steps"][0]["loss"] - 0.5

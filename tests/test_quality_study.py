@@ -70,3 +70,7 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {name} |" in table for name in by_name)
     assert json.loads((tmp_path / "results.json").read_text())[0]["config"] == "dense"
+
+    again = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "first", "--report-only"])
+    assert {r["config"] for r in again} == set(by_name)  # all three are in the group "first"
+    assert {r["config"]: r["val_loss"] for r in again} == {n: r["val_loss"] for n, r in by_name.items()}
