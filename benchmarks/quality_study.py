@@ -64,6 +64,9 @@ class Config:
 
 
 TTM = ("--fmt", "ttm")
+# Each pruning event that changes shapes costs a recompile (~a minute with 13 runs compiling side by side):
+# the study's rank-adaptive runs prune every 200 steps.
+ADAPT = ("--rank-adapt-options", '{"prune_every": 200}')
 EMB_STD = ("--tt-init-std", "emb=0.02")  # the dense model's embedding init (tensorize_'s default for Embedding is 1)
 CONFIGS: dict[str, Config] = {
     # the baselines
@@ -78,19 +81,20 @@ CONFIGS: dict[str, Config] = {
     "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM),
     "tt-r32": Config("blocks tt rank 32", ("--tensorize", "32", "--fmt", "tt")),
     # rank adaptation
-    "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r32 (RankAdaptation defaults)",
-                        ("--tensorize", "64") + TTM, target_like="ttm-r32"),
+    "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r32 (RankAdaptation defaults, pruning every "
+                        "200 steps)", ("--tensorize", "64") + TTM + ADAPT, target_like="ttm-r32"),
     "adapt-r64-g05": Config("adapt-r64 with gamma 0.5 (half the default push)",
-                            ("--tensorize", "64", "--rank-adapt-options", '{"gamma": 0.5}') + TTM,
+                            ("--tensorize", "64", "--rank-adapt-options", '{"gamma": 0.5, "prune_every": 200}') + TTM,
                             target_like="ttm-r32"),
-    "adapt-r64-to16": Config("rank-adaptive from ttm r64 to the size of ttm-r16", ("--tensorize", "64") + TTM,
+    "adapt-r64-to16": Config("rank-adaptive from ttm r64 to the size of ttm-r16", ("--tensorize", "64") + TTM + ADAPT,
                              target_like="ttm-r16"),
     "adapt-r64-flops": Config("adapt-r64 with the FLOPs-weighted penalty",
-                              ("--tensorize", "64", "--rank-adapt-options", '{"weight": "flops"}') + TTM,
-                              target_like="ttm-r32"),
-    "svd-r64": Config("TT-SVD of the trained dense model at r64, then rank adaptation to ttm-r32's size",
-                      ("--init-from", "{ckpt:dense}", "--tt-init", "svd", "--tensorize", "64") + TTM,
-                      target_like="ttm-r32", steps_scale=0.1),
+                              ("--tensorize", "64", "--rank-adapt-options", '{"weight": "flops", "prune_every": 200}')
+                              + TTM, target_like="ttm-r32"),
+    "svd-r64": Config("TT-SVD of the trained dense model at r64, then rank adaptation to ttm-r32's size (gates at "
+                      "30x lr, pruning every 50 steps: the fine-tune is short)",
+                      ("--init-from", "{ckpt:dense}", "--tt-init", "svd", "--tensorize", "64", "--gate-lr-scale", "30",
+                       "--rank-adapt-options", '{"prune_every": 50}') + TTM, target_like="ttm-r32", steps_scale=0.1),
     "svd-r32": Config("TT-SVD of the trained dense model at r32, fine-tuned at fixed rank",
                       ("--init-from", "{ckpt:dense}", "--tt-init", "svd", "--tensorize", "32") + TTM, steps_scale=0.1),
     # formats per layer kind, at equal parameters

@@ -306,7 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "TT-SVD of it), a tensorized one (its ranks) after")
     g.add_argument("--save", type=Path, default=None, metavar="PT", help="save the trained model's state_dict here")
     g = p.add_argument_group("logging")
-    g.add_argument("--eval-every", type=int, help="validation loss every N steps and at the end; 0: end only")
+    g.add_argument("--eval-every", type=int,
+                   help="validation loss (of the uncompiled model) every N steps and at the end; 0: end only")
     g.add_argument("--eval-batches", type=int, help="size of the fixed validation set, in batches")
     g.add_argument("--log-every", type=int, default=None, help="without tqdm: print a line every N steps")
     g.add_argument("--sample-tokens", type=int, default=0, help="after training, print this many sampled tokens")
@@ -660,7 +661,8 @@ def main(argv: list[str] | None = None) -> dict:
         progress.update(step, **stats)
         last = step + 1 == args.steps
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
-            val_loss = evaluate(compiled, val_batches, device, autocast)
+            val_loss = evaluate(model, val_batches, device, autocast)  # eager: no eval graph to compile, nor to
+            # recompile after each pruning event
             log["evals"].append({"step": step + 1, "val_loss": val_loss,
                                  "parameters": sum(p.numel() for p in model.parameters())})
             memory = peak_memory(device)  # so far: a run stopped before the end still reports it
