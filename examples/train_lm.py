@@ -233,7 +233,8 @@ def for_kind(mapping: dict | None, kind: str):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="defaults for the flags below (see above)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int)
@@ -317,6 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
+    given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+    if args.tokenizer == "bytes" and "--vocab-size" not in given:
+        args.vocab_size = None  # the preset's BPE vocabulary size does not apply to byte tokens
     _check_args(p, args)
     return args
 

@@ -133,6 +133,8 @@ def test_gpu_preset_model_builds():
     assert (args.d_model, args.n_layers, args.n_heads, args.qkv, args.tokenizer, args.vocab_size) == (
         768, 6, 12, "separate", "bpe", 16384)
     assert (args.precision, args.device, args.seq_len, args.batch_size) == ("bf16", "cuda", 512, 32)
+    assert train_lm.parse_args(["--preset", "gpu", "--tokenizer", "bytes"]).vocab_size is None  # BPE's size only
+    assert train_lm.parse_args(["--tokenizer", "bytes", "--vocab-size", "300"]).vocab_size == 300  # data.py rejects it
     model = train_lm.build_model(args, 16384, device="meta")
     assert sum(p.numel() for p in model.parameters()) == _gpt_parameters(16384, 512, 768, 6)
     assert isinstance(model.blocks[0].attn.q, torch.nn.Linear) and not hasattr(model.blocks[0].attn, "qkv")
