@@ -448,13 +448,16 @@ def _median_step(steps: list[dict]) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    dense = dict(next((r["evals"] for r in rows if r["config"] == "dense"), []))  # step -> val loss
+    dense_row = next((r for r in rows if r["config"] == "dense"), None)
+    dense = dict(dense_row["evals"]) if dense_row else {}  # step -> val loss
     head = ("config", "val loss", "vs dense", "parameters", "compression", "blocks", "step ms", "peak GiB (alloc / "
             "reserved)", "steps", "what")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         loss = r["val_loss"]
         ref = dense.get(r["eval_step"])  # dense at the same step (a stopped run may have fewer)
+        if dense_row and r["steps"] != dense_row["steps"] and dense_row["complete"]:
+            ref = dense_row["val_loss"]  # a fine-tune of the trained dense model: against where dense ended
         rel = f"{100 * (loss / ref - 1):+.1f} %" if loss is not None and ref else ""
         step = f"{1e3 * r['step_time_s']:.0f}{'' if r['step_time_alone'] else '*'}" if r["step_time_s"] else ""
         mem = (f"{r['peak_memory_bytes'] / 2**30:.1f} / {r['peak_memory_reserved_bytes'] / 2**30:.1f}"
@@ -465,7 +468,8 @@ def table(rows: list[dict]) -> str:
             f"{r['parameters']:,}" if r["parameters"] else "", _ratio(r["compression"]), _ratio(r["block_compression"]),
             step, mem, done if r["eval_step"] else r["status"], r["doc"]]) + " |")
     lines.append("")
-    lines.append("vs dense: against the dense run's validation loss at the same step. step ms: median step time; "
+    lines.append("vs dense: against the dense run's validation loss at the same step (a shorter fine-tune: at its "
+                 "end). step ms: median step time; "
                  "* measured side by side with the other runs (inflated by the sharing), otherwise alone (--timing). "
                  "steps: the step of the last validation / the run's steps.")
     return "\n".join(lines)
