@@ -363,7 +363,8 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
                 run.status = "done" if run.process.returncode == 0 else "failed"
                 print(f"[{_clock()}] {run.status} {run.name} ({time.monotonic() - run.started:.0f}s)", flush=True)
         for run in runs:
-            if run.status == "pending" and any(by_name[n].status in ("failed", "skipped", "stopped") for n in run.needs):
+            if run.status == "pending" and any(by_name[n].status in ("failed", "skipped", "stopped")
+                                               for n in run.needs):
                 run.status = "skipped"
         running = sum(r.status == "running" for r in runs)
         for run in runs:
@@ -429,7 +430,8 @@ def row(run: Run, log: dict, timing: dict) -> dict:
         "dense_parameters": log.get("dense_parameters"), "parameters": params,
         "compression": log["dense_parameters"] / params if params else None,
         "block_compression": log.get("block_compression") or _block_ratio(log),
-        "step_time_s": source.get("step_time_s") or _median_step(steps), "step_time_alone": bool(timing) or run.json.parent.name == "timing",
+        "step_time_s": source.get("step_time_s") or _median_step(steps),
+        "step_time_alone": bool(timing) or run.json.parent.name == "timing",
         "peak_memory_bytes": source.get("peak_memory_bytes"),
         "peak_memory_reserved_bytes": source.get("peak_memory_reserved_bytes"),
         "first_prune_step": log.get("first_prune_step"), "flags": " ".join(run.flags),
@@ -563,8 +565,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timing", action="store_true", help="run each configuration alone, --timing-steps steps")
     p.add_argument("--timing-steps", type=int, default=40)
     p.add_argument("--trained", action="store_true",
-                   help="with --timing: start each configuration from the model the study saved (<out-dir>/<config>.pt), "
-                        "so a rank-adapted one is timed at its final ranks")
+                   help="with --timing: start each configuration from the model the study saved "
+                        "(<out-dir>/<config>.pt), so a rank-adapted one is timed at its final ranks")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the table and plots from the JSON logs already in <out-dir>/runs (and timing/), "
                         "e.g. after copying two calls' runs/ into one folder")

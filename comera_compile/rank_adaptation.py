@@ -15,7 +15,8 @@ the user's model, loss and training loop stay as they are:
   whose own loss gradient is weaker than its push drifts to zero. (Under Adam the push's absolute size
   barely matters, only its ratio to the gradient a gate already gets; gate loss gradients are
   ~5e-4 in a small MSE regression and ~3e-3 in examples/train_lm.py, so no absolute weight suits
-  both.) ``scale="absolute"``: ``u = 1``, ``gamma`` in loss units. ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
+  both.) ``scale="absolute"``: ``u = 1``, ``gamma`` in loss units.
+  ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
   ``S`` counts core parameters, so each gate's penalty is weighted by the parameters its rank carries)
   or, with ``weight="flops"``, the per-token multiply-adds of contracting core k when the input
   streams through the cores in order (a proxy: the planner may pick another order). The gradient is

@@ -337,11 +337,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tensorize is not None:
         missing = [k for k in args.compress if for_kind(args.tensorize, k) is None]
         if missing:
-            p.error(f"--tensorize gives no rank for the compressed kinds {missing} (--compress {','.join(args.compress)})")
+            p.error(f"--tensorize gives no rank for the compressed kinds {missing} "
+                    f"(--compress {','.join(args.compress)})")
     elif args.tt_init != "random" or args.fmt or args.tt_init_std:
         p.error("--fmt, --tt-init and --tt-init-std need --tensorize RANK")
     if args.backend == "eager" and (args.compile_options or args.dynamic or args.cuda_graphs):
-        p.error("--compile-options, --dynamic and --cuda-graphs apply to torch.compile; --backend eager does not compile")
+        p.error("--compile-options, --dynamic and --cuda-graphs apply to torch.compile; "
+                "--backend eager does not compile")
     if args.cuda_graphs and args.backend not in ("comera", "inductor"):
         p.error("--cuda-graphs needs --backend comera or inductor")
     if args.explain and args.backend != "comera":
@@ -362,7 +364,8 @@ def pick_device(choice: str) -> torch.device:
 def peak_memory(device: torch.device) -> dict[str, int]:
     """Peak GPU memory allocated and reserved by torch, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
-        return {"allocated": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
+        return {"allocated": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.max_memory_reserved(device)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes
     return {"allocated": rss, "reserved": rss}
