@@ -119,6 +119,11 @@ CONFIGS: dict[str, Config] = {
                                  ("--tensorize", "32", "--compress", "attn,mlp,tok", "--tied", "share") + TTM + EMB_STD),
     "dense-iso-all": Config("dense, narrower: the parameters of ttm-r32+tok-shared", iso_of="ttm-r32+tok-shared"),
     "dense-untied": Config("dense with an untied head (the reference of ttm-r32+tok)", ("--head", "untied")),
+    # the fused LM-head loss against the model's own (the dense runs): issue 11's convergence check
+    "dense-cce-exact": Config("dense, the head's loss fused (cce_min_vocab=0), exact gradient",
+                              ("--compile-options", '{"cce_min_vocab": 0, "cce_backward": "exact"}')),
+    "dense-cce-filtered": Config("dense, the head's loss fused (cce_min_vocab=0), filtered gradient",
+                                 ("--compile-options", '{"cce_min_vocab": 0, "cce_backward": "filtered"}')),
     # optimizer settings of the TT cores and gates (param_groups' defaults: gates at 10x lr, no core decay)
     "ttm-r32-gate1x": Config("ttm-r32 with the gates at the cores' lr", ("--tensorize", "32", "--gate-lr-scale", "1")
                              + TTM),
