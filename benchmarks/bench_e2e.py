@@ -19,7 +19,8 @@ Models:
 Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
 (inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
 ``tt`` / ``tt-cg`` (``backend="comera"`` default / with CUDA graphs), ``tt-fp32`` / ``tt-fp32-cg``,
-``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32.
+``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32. Tags ``-cpp`` / ``-combo`` add Inductor's
+``cpp_wrapper`` / ``combo_kernels`` (e.g. ``tt-cpp``, ``dense-inductor-cpp``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently, then take
 turns on the GPU for the timed steps, so no two timings overlap. Reported per variant: median step time
@@ -229,18 +230,23 @@ def run_variant(model_name: str, variant: str, args) -> dict:
         tensorize(model, model_name, fmt)
     model = model.to(device)
     params = _count(model)
-    fp32 = "fp32" in variant
-    cg = variant.endswith("-cg")
+    tags = set(variant.split("-"))
+    fp32, cg = "fp32" in tags, "cg" in tags
+    inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo")) if tag in tags}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if variant == "dense-eager":
         fn = model
     elif variant.startswith("dense-inductor"):
-        fn = torch.compile(model, mode="reduce-overhead" if cg else None)
+        options = {"triton.cudagraphs": cg, **inductor} if inductor else None
+        fn = torch.compile(model, mode=None if options else "reduce-overhead" if cg else None, options=options)
     else:
         options = {"inner": "aot_eager"} if args.smoke else {}
-        if variant == "dense-comera" and not args.smoke:
-            options = {}
-        fn = torch.compile(model, backend="comera", mode="reduce-overhead" if cg else None, options=options or None)
+        if inductor:
+            options["inductor_config"] = inductor
+        if cg and options:
+            options["cudagraphs"] = True
+        fn = torch.compile(model, backend="comera", mode="reduce-overhead" if cg and not options else None,
+                           options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
     autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
@@ -327,16 +333,22 @@ def _wait_turn(args) -> None:
         time.sleep(0.2)
 
 
+def _write_turn(path: str, value: int) -> None:
+    """Atomically (a reader never sees a half-written file)."""
+    Path(path + ".tmp").write_text(str(value))
+    os.replace(path + ".tmp", path)
+
+
 def _done_turn(args) -> None:
     if args.turn:
-        Path(args.turn).write_text(str(args.index + 1))
+        _write_turn(args.turn, args.index + 1)
 
 
 def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
     """Run every (model, variant) in its own process: concurrent compiles, timings one at a time."""
     tmp = tempfile.mkdtemp(prefix="bench_e2e_")
     turn = os.path.join(tmp, "turn")
-    Path(turn).write_text("-1")
+    _write_turn(turn, -1)
     procs = []
     for i, (model_name, variant) in enumerate(jobs):
         out = os.path.join(tmp, f"{i}.json")
@@ -352,7 +364,7 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
     for i, (p, out, logname, variant) in enumerate(procs):
         while not Path(turn + f".ready{i}").exists() and p.poll() is None:
             time.sleep(0.5)
-        Path(turn).write_text(str(i))
+        _write_turn(turn, i)
         while int(Path(turn).read_text()) == i and p.poll() is None:
             time.sleep(0.2)
     results = []
@@ -406,8 +418,13 @@ def main(argv=None) -> list[dict]:
         Path(args.out_one).write_text(json.dumps(run_variant(args.model, variant, args)))
         return []
     models = ["encoder", "llama"] if args.model == "all" else [args.model]
-    jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])
-            if v in ALL[m]]
+    jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])]
+    for _, v in jobs:
+        base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
+        tags = set(v[len(base):].split("-")) - {""} if base else set()
+        if base is None or tags - {"cg", "fp32", "cpp", "combo"}:
+            ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt or ttm, "
+                     "then any of the tags -cg, -fp32, -cpp, -combo")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:

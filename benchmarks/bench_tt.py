@@ -68,6 +68,11 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _flats(cores, gates):
+    """One layer's cores and gates in flat storage, as comera::tt_materialize takes them."""
+    return [torch.cat([c.reshape(-1) for c in cores])], [torch.cat([g.reshape(-1) for g in gates])]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -107,7 +112,8 @@ def run_linear(name, fmt, rm, cm, rank, n, device, smoke) -> None:
 
         def fn():
             out = "factors" if strategy == "factored" else "dense_t"
-            parts = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, split, left, right, out, dt)
+            parts = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, split, left,
+                                             right, out, dt)
             y = F.linear(tt_runtime.project(x, parts[0], dt), parts[1]) if strategy == "factored" else F.linear(x, parts[0])
             return y, torch.autograd.grad(y, leaves, dy)  # no AccumulateGrad: capturable
         return fn
@@ -142,8 +148,8 @@ def run_embedding(name, fmt, rm, cm, rank, rows, cols, n, device, smoke) -> None
     p = planner.plan_tt_embedding(fmt, rm, cm, spec.ranks, n, 4, cudagraphs=True)
 
     def ours():
-        A, B = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, p.split, p.left, p.right, "tables",
-                                        torch.float32)
+        A, B = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, p.split, p.left,
+                                        p.right, "tables", torch.float32)
         out = tt_runtime.lookup(idx, A, B, rows, cols)
         return out, torch.autograd.grad(out, [*cores, *gates], dout)
 

@@ -105,14 +105,11 @@ def test_same_structure_layers_merge_in_one_batched_call():
 
 
 def test_layers_of_different_ranks_after_pruning_still_batch_correctly():
-    from comera_compile.tensorize import set_parameter_data_
-
     model = _tensorized(blocks=3, rank=6)
     layer = model.ups[1].parametrizations.weight[0]  # prune bond 1 of one layer to rank 3
-    with torch.no_grad():
-        set_parameter_data_(layer.cores[0], layer.cores[0][..., :3].clone())
-        set_parameter_data_(layer.cores[1], layer.cores[1][:3].clone())
-        set_parameter_data_(layer.gates[0], layer.gates[0][:3].clone())
+    cores, gates = layer.positions()
+    cores[0], cores[1], gates[0] = cores[0][..., :3], cores[1][:3], gates[0][:3]
+    layer.relayout_(cores, gates)
     report = _report(model, _idx(5))
     assert _calls(report, tt_runtime.group_outputs) == 4  # the pruned layer is its own group
     _check_same(model, copy.deepcopy(model), (_idx(5),))
