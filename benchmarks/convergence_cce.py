@@ -97,7 +97,8 @@ def summary(data: dict, last_k: int, window: int) -> list[dict]:
         val = [v for _, v in run["val"]]
         dval = max(abs(a - b) for a, b in zip(val, [v for _, v in base["val"]]))
         dtrain = max(abs(a - b) for a, b in zip(smoothed(run["train"], window), smoothed(base["train"], window)))
-        rows.append({"run": name, "final_val": val[-1], f"mean_val_last_{last_k}": sum(val[-last_k:]) / len(val[-last_k:]),
+        tail = val[-last_k:]
+        rows.append({"run": name, "final_val": val[-1], f"mean_val_last_{last_k}": sum(tail) / len(tail),
                      "max_abs_dval": dval, "max_abs_dtrain_smoothed": dtrain,
                      "tokens_per_s": run["tokens_per_s"], "peak_memory_mib": (run["peak_memory_bytes"] or 0) / 2**20})
     return rows

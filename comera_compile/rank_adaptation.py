@@ -7,12 +7,19 @@ the user's model, loss and training loop stay as they are:
   of the tensor-train layers as a function of the gates, ``S = sum_layers sum_k c_k * rho_{k-1} * rho_k``
   with ``rho_k = ||g_k||_1`` (the l0 "rank" of bond k relaxed to l1; ``rho_0 = rho_d = 1``), divided
   by ``W_0``, the mean over all gates of ``dS/d|g|`` when the ranker was built, so that ``gamma`` is the
-  average gate's penalty gradient at the start (loss gradients on gates are ~1e-4..1e-3 in
-  examples/train_lm.py). ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
+  average gate's penalty gradient at the start in units of ``u``. With ``scale="grad"`` (default)
+  ``u`` is the gates' own loss-gradient scale: a running mean (``grad_ema``) of the mean ``|dL/dg|``
+  over all gates, taken each step before the penalty is added (so after any gradient clipping). The
+  penalty then holds the same ratio to the loss pull whatever the loss, its scale or the model size:
+  ``gamma=1`` (default) pushes the average gate as hard as the loss pulls the average gate, and a gate
+  whose own loss gradient is weaker than its push drifts to zero. (Under Adam the push's absolute size
+  barely matters, only its ratio to the gradient a gate already gets; gate loss gradients are
+  ~5e-4 in a small MSE regression and ~3e-3 in examples/train_lm.py, so no absolute weight suits
+  both.) ``scale="absolute"``: ``u = 1``, ``gamma`` in loss units. ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
   ``S`` counts core parameters, so each gate's penalty is weighted by the parameters its rank carries)
   or, with ``weight="flops"``, the per-token multiply-adds of contracting core k when the input
   streams through the cores in order (a proxy: the planner may pick another order). The gradient is
-  ``gamma_t * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``.
+  ``gamma_t * u * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``.
 * **step post-hook** prunes every ``prune_every`` steps: per bond, gates with ``|g| < threshold``
   are removed and the cores on both sides are sliced physically (``param.data`` replaced, same
   Parameter objects); the surviving gates keep their values (no rescaling), so the layer computes
@@ -36,9 +43,10 @@ The switch happens at step ``switch`` (an int), when the early stage has converg
 ``converge_window`` steps, or the size target is already met), or by :meth:`switch_stage`
 (``switch="manual"``).
 
-**The loss.** With ``loss_from="output"`` (default) a forward hook on ``model`` records its output
-when it is a scalar tensor (a model that returns its loss, as ``model(x, labels)`` does in
-examples/train_lm.py); otherwise call :meth:`observe` with the loss each step (``loss_from="observe"``
+**The loss.** With ``loss_from="output"`` (default) a forward hook on ``model`` records the scalar
+loss in its output: the output itself (a model that returns its loss, as ``model(x, labels)`` does in
+examples/train_lm.py), its ``loss`` attribute (a Hugging Face ``ModelOutput`` with ``labels=``) or its
+``"loss"`` entry (a dict); otherwise call :meth:`observe` with the loss each step (``loss_from="observe"``
 turns the hook off). The hook records in training mode only and is ``torch._dynamo.disable``'d,
 so it never enters a compiled graph. The penalty is added in the step, i.e. after any gradient
 clipping the loop does.
@@ -59,13 +67,14 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from comera_compile import tt
-from comera_compile.tensorize import (TTLayer, _unwrap, compression_report, iter_tt_layers, set_parameter_data_,
+from comera_compile.tensorize import (TTLayer, compression_report, iter_tt_layers, set_parameter_data_,
                                       tt_parametrization)
 
 log = logging.getLogger(__name__)
@@ -73,6 +82,7 @@ log = logging.getLogger(__name__)
 __all__ = ["RankAdaptation", "size_coefficients"]
 
 _WEIGHTS = ("params", "flops")
+_SCALES = ("grad", "absolute")
 _STAGES = ("early", "late")
 
 
@@ -104,6 +114,20 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
     return [2.0 * math.prod(cm[: k + 1]) * rm[k] * math.prod(rm[k + 1:]) for k in range(d)]
 
 
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The scalar loss in a model's output: the output itself, its ``loss`` attribute (a Hugging Face
+    ``ModelOutput``) or its ``"loss"`` entry (a dict); None when there is none."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    else:
+        loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+        return loss
+    return None
+
+
 def _collective_device(dist, default: torch.device) -> torch.device:
     """NCCL only reduces CUDA tensors; gloo takes CPU tensors (and CUDA ones)."""
     if dist.get_backend() == "nccl":
@@ -129,6 +153,8 @@ class RankAdaptation:
       * ``target_compression``: dense parameters / parameters that the late stage aims for.
       * ``gamma``: early-stage penalty weight; ``late_gamma`` (default ``gamma``) the late stage's;
         ``augment``: the late stage's weight when the size is not the worse objective.
+      * ``scale``: ``"grad"`` (the weights are relative to the gates' loss-gradient scale, a running
+        mean with decay ``grad_ema``) or ``"absolute"`` (in loss units).
       * ``weight``: ``"params"`` or ``"flops"``: what each gate's penalty is weighted by.
       * ``prune_every`` (steps), ``threshold`` (gate magnitude), ``rank_multiple`` (1, 8, 16, ...).
       * ``switch``: ``"auto"``, ``"manual"`` or a step number; ``converge_window``,
@@ -144,9 +170,11 @@ class RankAdaptation:
         optimizer: torch.optim.Optimizer,
         target_compression: float,
         *,
-        gamma: float = 1e-3,
+        gamma: float = 1.0,
         late_gamma: float | None = None,
         augment: float = 0.1,
+        scale: str = "grad",
+        grad_ema: float = 0.9,
         weight: str = "params",
         prune_every: int = 50,
         threshold: float = 1e-2,
@@ -179,7 +207,11 @@ class RankAdaptation:
                 raise ValueError(f"RankAdaptation: {name} must be >= 0, got {value}")
         if not 0 <= loss_ema < 1:
             raise ValueError(f"RankAdaptation: loss_ema must be in [0, 1), got {loss_ema}")
-        self.model = _unwrap(model)
+        if scale not in _SCALES:
+            raise ValueError(f"RankAdaptation: scale must be one of {_SCALES}, got {scale!r}")
+        if not 0 <= grad_ema < 1:
+            raise ValueError(f"RankAdaptation: grad_ema must be in [0, 1), got {grad_ema}")
+        self.model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module inside
         self.optimizer = optimizer
         self.layers: list[TTLayer] = list(iter_tt_layers(self.model))
         if not self.layers:
@@ -194,6 +226,8 @@ class RankAdaptation:
         self.gamma = float(gamma)
         self.late_gamma = float(gamma if late_gamma is None else late_gamma)
         self.augment = float(augment)
+        self.scale = scale
+        self.grad_ema = float(grad_ema)
         self.weight = weight
         self.prune_every = prune_every
         self.threshold = float(threshold)
@@ -216,6 +250,7 @@ class RankAdaptation:
                 f"the target is unreachable (the largest reachable compression is below "
                 f"{self.dense_params / max(report.other_params, 1):.1f}x); the late stage will keep pruning",
                 stacklevel=2)
+        self._warn_if_gates_are_slow()
         self._coeffs = [size_coefficients(lay.spec, weight) for lay in self.layers]
         self._size_ref = max(self._mean_gate_weight(), 1e-30)
 
@@ -230,6 +265,7 @@ class RankAdaptation:
         self._loss_trace: list[float] = []  # loss EMA per step, the last converge_window + 1
         self._pending_loss: torch.Tensor | None = None
         self._gamma_t = self.gamma
+        self._grad_ref: torch.Tensor | None = None  # scale="grad": running mean |dL/dg| (a 0-d tensor)
         self._callbacks: list[Callable[["RankAdaptation"], None]] = []
         self._warned_no_loss = False
         self._limit_base: int | None = None
@@ -238,6 +274,28 @@ class RankAdaptation:
                          optimizer.register_step_post_hook(self._post_step)]
         if loss_from == "output":
             self._handles.append(self.model.register_forward_hook(self._capture_output))
+
+    def _warn_if_gates_are_slow(self, slow_steps: int = 500) -> None:
+        """Under Adam-type optimizers a parameter moves by at most about its learning rate per step,
+        so the gates' learning rate bounds how soon any gate can reach the threshold."""
+        gate_ids = {id(g) for lay in self.layers for g in lay.gates}
+        for group in self.optimizer.param_groups:
+            lr = group.get("initial_lr", group.get("lr"))
+            if "betas" not in group or not isinstance(lr, (int, float)) or lr <= 0:
+                continue
+            gates = [p for p in group["params"] if id(p) in gate_ids]
+            if not gates:
+                continue
+            start = max(float(g.detach().abs().max()) for g in gates)
+            steps = (start - self.threshold) / lr
+            if steps > slow_steps:
+                warnings.warn(
+                    f"RankAdaptation: the rank gates train at lr {lr:g}; an Adam-type optimizer moves a "
+                    f"parameter by at most ~lr per step, so no gate can fall from {start:g} to the pruning "
+                    f"threshold {self.threshold:g} in fewer than {steps:,.0f} steps. Give the gates a larger "
+                    "learning rate: torch.optim.AdamW(cc.param_groups(model, lr=...)) trains them at 10x lr.",
+                    stacklevel=3)
+                return
 
     # ------------------------------------------------------------------------------ the loss
 
@@ -248,9 +306,9 @@ class RankAdaptation:
 
     @torch._dynamo.disable
     def _capture_output(self, module, args, output) -> None:
-        if (isinstance(output, torch.Tensor) and output.numel() == 1 and output.is_floating_point()
-                and module.training):
-            self._pending_loss = output.detach()
+        loss = _loss_of(output)
+        if loss is not None and module.training:
+            self._pending_loss = loss.detach()
 
     def _consume_loss(self) -> None:
         loss, self._pending_loss = self._pending_loss, None
@@ -365,8 +423,8 @@ class RankAdaptation:
     # ------------------------------------------------------------------------------ hooks
 
     @torch.no_grad()
-    def penalty_gradients(self, gamma: float) -> list[list[torch.Tensor]]:
-        """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (zero on zeroed layers)."""
+    def penalty_gradients(self, gamma: float | torch.Tensor) -> list[list[torch.Tensor]]:
+        """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (``gamma`` in loss units)."""
         out = []
         scale = gamma / self._size_ref
         for layer, coeffs in zip(self.layers, self._coeffs):
@@ -380,14 +438,31 @@ class RankAdaptation:
             out.append(grads)
         return out
 
+    def _update_grad_ref(self) -> None:
+        """Fold this step's mean ``|dL/dg|`` over the live gates into the running mean (no host sync)."""
+        grads = [g.grad for lay in self.layers if lay.fqn not in self.dead for g in lay.gates if g.grad is not None]
+        if not grads:
+            return
+        total = torch.stack(torch._foreach_norm(grads, 1)).float().sum()
+        mean = total / sum(g.numel() for g in grads)
+        d = self.grad_ema
+        self._grad_ref = mean if self._grad_ref is None else d * self._grad_ref + (1 - d) * mean
+
+    def _unit(self) -> float | torch.Tensor | None:
+        """``u``: what ``gamma`` is measured in (None: no loss gradient seen yet)."""
+        return 1.0 if self.scale == "absolute" else self._grad_ref
+
     @torch.no_grad()
     def _pre_step(self, optimizer, args, kwargs) -> None:
         self._consume_loss()
         self._maybe_switch()
+        if self.scale == "grad":
+            self._update_grad_ref()
         self._gamma_t = self._penalty_weight()
-        if self._gamma_t == 0:
+        unit = self._unit()
+        if self._gamma_t == 0 or unit is None:
             return
-        for layer, grads in zip(self.layers, self.penalty_gradients(self._gamma_t)):
+        for layer, grads in zip(self.layers, self.penalty_gradients(self._gamma_t * unit)):
             if layer.fqn in self.dead:
                 continue
             for g, pg in zip(layer.gates, grads):
@@ -531,6 +606,7 @@ class RankAdaptation:
             "step": self.step, "stage": self.stage, "switch_step": self.switch_step,
             "loss_avg": self.loss_avg, "loss_target": self.loss_target, "prune_events": self.prune_events,
             "dead": list(self.dead), "loss_trace": list(self._loss_trace), "gamma_t": self._gamma_t,
+            "grad_ref": None if self._grad_ref is None else self._grad_ref.item(),
             "history": [dict(h) for h in self.history], "limit_base": self._limit_base,
             "size_ref": self._size_ref,
         }
@@ -549,6 +625,9 @@ class RankAdaptation:
         self.dead = list(state["dead"])
         self._loss_trace = list(state["loss_trace"])
         self._gamma_t = state["gamma_t"]
+        ref = state.get("grad_ref")
+        device = self.layers[0].gates[0].device
+        self._grad_ref = None if ref is None else torch.tensor(ref, dtype=torch.float32, device=device)
         self.history = [dict(h) for h in state["history"]]
         self._limit_base = state.get("limit_base")
         self._size_ref = float(state["size_ref"])  # W_0 of the model as first built, not as loaded

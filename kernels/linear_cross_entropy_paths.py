@@ -311,90 +311,113 @@ class _Backward:
         return self.dx, self.dw, self.db
 
 
-def _sparse(bw: _Backward) -> None:
-    """Sparse rounds: kept tiles go to a bounded buffer and are reduced by the dx/dw kernels. When
-    two rounds in a row keep most tiles, or after ``dense_after_rounds`` rounds, the rest of the
-    vocabulary goes through static chunks. One host sync per round (never under capture)."""
-    cfg, x, weight = bw.cfg, bw.x, bw.weight
-    N, V, D = bw.N, bw.V, bw.D
-    BM, BN, BD, BT = cfg.bwd_block_m, cfg.bwd_block_n, cfg.cons_block_d, cfg.tgt_block
-    num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
-    elem = torch.finfo(bw.gdtype).bits // 8
-    dev = x.device
-    i32 = dict(device=dev, dtype=torch.int32)
-    capacity = max(num_tb, min(cfg.tile_budget_bytes, bw.budget) // (BM * BN * elem))
-    G = torch.empty((capacity, BM, BN), device=dev, dtype=bw.gdtype)
-    gcol = torch.empty((capacity, BN), device=dev, dtype=torch.float32)
-    slot_map = torch.empty((num_tb * nvb,), **i32)
-    counter = torch.zeros((1,), **i32)
-    if bw.need_dw or bw.need_db:  # tokens grouped by the vocabulary block of their target
-        toks = torch.argsort(bw.tpos, stable=True).to(torch.int32)
-        tok_pos = bw.tpos[toks.long()].contiguous()
-        tok_ptr = torch.searchsorted(tok_pos, torch.arange(nvb + 1, **i32) * BN).to(torch.int32)
-    cons = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, HAS_ORDER=True,
-                num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
-    tiles = dict(bw.tile_args(BM, cfg.bwd_block_k, cfg.bwd_warps, cfg.bwd_stages), GROUP_V=cfg.group_v)
-    bias_arg = bw.bias if bw.bias is not None else x
-    dummy = bw.lse
-    rounds = kept_total = vb_start = dense_streak = 0
-    while vb_start < nvb:
-        nvr = nvb - vb_start
-        counter.zero_()
+class _SparseRounds:
+    """The buffers of the sparse path and its three steps per round: keep tiles, reduce dX, reduce dW."""
+
+    def __init__(self, bw: _Backward):
+        cfg = self.cfg = bw.cfg
+        self.bw = bw
+        self.BM, self.BN, self.BD = cfg.bwd_block_m, cfg.bwd_block_n, cfg.cons_block_d
+        self.num_tb, self.nvb = _cdiv(bw.N, self.BM), _cdiv(bw.V, self.BN)
+        dev = bw.x.device
+        self.i32 = dict(device=dev, dtype=torch.int32)
+        elem = torch.finfo(bw.gdtype).bits // 8
+        self.capacity = max(self.num_tb, min(cfg.tile_budget_bytes, bw.budget) // (self.BM * self.BN * elem))
+        self.G = torch.empty((self.capacity, self.BM, self.BN), device=dev, dtype=bw.gdtype)
+        self.gcol = torch.empty((self.capacity, self.BN), device=dev, dtype=torch.float32)
+        self.slot_map = torch.empty((self.num_tb * self.nvb,), **self.i32)
+        self.counter = torch.zeros((1,), **self.i32)
+        if bw.need_dw or bw.need_db:  # tokens grouped by the vocabulary block of their target
+            self.toks = torch.argsort(bw.tpos, stable=True).to(torch.int32)
+            self.tok_pos = bw.tpos[self.toks.long()].contiguous()
+            self.tok_ptr = torch.searchsorted(self.tok_pos, torch.arange(self.nvb + 1, **self.i32) * self.BN
+                                              ).to(torch.int32)
+        self.cons = dict(BLOCK_M=self.BM, BLOCK_N=self.BN, BLOCK_D=self.BD, HAS_ORDER=True,
+                         num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
+
+    def keep_tiles(self, vb_start: int) -> tuple[int, int, torch.Tensor]:
+        """Recompute the tiles from vocabulary block ``vb_start`` on, keep those above the filter
+        while the buffer lasts; (block columns done, tiles kept, slot map [token block, column])."""
+        bw, cfg, BN, num_tb = self.bw, self.cfg, self.BN, self.num_tb
+        nvr = self.nvb - vb_start
+        self.counter.zero_()
         grad_sparse_kernel[(num_tb * nvr,)](
-            x, weight, bias_arg, bw.order, bw.lse, bw.pcoef, dummy, G, gcol, slot_map, counter,
-            N, V, D, *bw.strides(), float(bw.softcap), float(bw.filter_eps),
-            capacity, vb_start * BN, nvr, num_tb, BLOCK_N=BN, HAS_ORDER=True, **tiles)
-        sm = slot_map[: num_tb * nvr].view(num_tb, nvr)
+            bw.x, bw.weight, bw.bias if bw.bias is not None else bw.x, bw.order, bw.lse, bw.pcoef, bw.lse,
+            self.G, self.gcol, self.slot_map, self.counter, bw.N, bw.V, bw.D, *bw.strides(),
+            float(bw.softcap), float(bw.filter_eps), self.capacity, vb_start * BN, nvr, num_tb,
+            BLOCK_N=BN, HAS_ORDER=True, GROUP_V=cfg.group_v,
+            **bw.tile_args(self.BM, cfg.bwd_block_k, cfg.bwd_warps, cfg.bwd_stages))
+        sm = self.slot_map[: num_tb * nvr].view(num_tb, nvr)
         unresolved = (sm == -2).any(0)
         done_t = torch.where(unresolved.any(), unresolved.int().argmax(), nvr)
         kept_cum = torch.cumsum((sm >= 0).sum(0), 0)
         done, n_kept = torch.stack(  # the one host sync of a round
             [done_t, torch.where(done_t > 0, kept_cum[(done_t - 1).clamp_min(0)], 0)]).tolist()
+        return done, n_kept, sm[:, :done]
+
+    def reduce_dx(self, sm: torch.Tensor, vb_start: int, first: bool) -> None:
+        """dX (+)= the kept tiles of the round, token block by token block, plus the round's targets."""
+        bw, done = self.bw, sm.shape[1]
+        kept = sm >= 0
+        rm = torch.argsort((~kept).view(-1).to(torch.int8), stable=True)  # kept tiles first, row-major
+        row_ptr = torch.zeros((self.num_tb + 1,), **self.i32)
+        row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
+        dx_sparse_kernel[(self.num_tb, _cdiv(bw.D, self.BD))](
+            self.G, bw.weight, bw.order, row_ptr, (rm % done).to(torch.int32), sm.reshape(-1)[rm],
+            bw.tgt_safe, bw.tpos, bw.tcoef, bw.scoef, bw.wcolsum if bw.wcolsum is not None else bw.lse, bw.dx,
+            bw.N, bw.V, bw.D, bw.weight.stride(0), bw.weight.stride(1), bw.dx.stride(0), bw.dx.stride(1),
+            vb_start, vb_start * self.BN, (vb_start + done) * self.BN,
+            SMOOTH_TERMS=bw.smooth_vec and first, LOAD_PREV=not first, **self.cons)
+
+    def reduce_dw(self, sm: torch.Tensor, vb_start: int) -> None:
+        """dW and dB rows of the round's block columns, written once."""
+        bw, done = self.bw, sm.shape[1]
+        kept_t = (sm >= 0).t().contiguous()
+        cm = torch.argsort((~kept_t).view(-1).to(torch.int8), stable=True)
+        col_ptr = torch.zeros((done + 1,), **self.i32)
+        col_ptr[1:] = torch.cumsum(kept_t.sum(1), 0)
+        dw, db, dummy = bw.dw, bw.db, bw.lse
+        dw_sparse_kernel[(done, _cdiv(bw.D, self.BD) if bw.need_dw else 1)](
+            self.G, self.gcol, bw.x, bw.order, col_ptr, (cm % self.num_tb).to(torch.int32),
+            sm.t().reshape(-1)[cm], self.tok_ptr, self.toks, self.tok_pos, bw.tcoef,
+            bw.xsmooth if bw.xsmooth is not None else dummy, bw.bsmooth if bw.bsmooth is not None else dummy,
+            dw if dw is not None else self.G, db if db is not None else self.G,
+            bw.N, bw.V, bw.D, bw.x.stride(0), bw.x.stride(1),
+            dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
+            db.stride(0) if db is not None else 0, vb_start,
+            BLOCK_T=self.cfg.tgt_block, HAS_BIAS=bw.need_db, HAS_SMOOTH_VEC=bw.smooth_vec, HAS_DW=bw.need_dw,
+            TGT_PRECISION="ieee" if bw.x.dtype == torch.float32 else "tf32", **self.cons)
+
+
+def _sparse(bw: _Backward) -> None:
+    """Sparse rounds: kept tiles go to a bounded buffer and are reduced by the dx/dw kernels. When
+    two rounds in a row keep most tiles, or after ``dense_after_rounds`` rounds, the rest of the
+    vocabulary goes through static chunks. One host sync per round (never under capture)."""
+    sp = _SparseRounds(bw)
+    cfg = bw.cfg
+    rounds = kept_total = vb_start = dense_streak = 0
+    while vb_start < sp.nvb:
+        done, n_kept, sm = sp.keep_tiles(vb_start)
         if done == 0:  # not even one block column fitted: the rest goes static
             break
         rounds += 1
         kept_total += n_kept
-        kept = sm[:, :done] >= 0
         if bw.need_dx:
-            # kept tiles first, in row-major (token block, vocabulary block) order
-            rm = torch.argsort((~kept).view(-1).to(torch.int8), stable=True)
-            row_ptr = torch.zeros((num_tb + 1,), **i32)
-            row_ptr[1:] = torch.cumsum(kept.sum(1), 0)
-            dx_sparse_kernel[(num_tb, _cdiv(D, BD))](
-                G, weight, bw.order, row_ptr, (rm % done).to(torch.int32), sm[:, :done].reshape(-1)[rm],
-                bw.tgt_safe, bw.tpos, bw.tcoef, bw.scoef,
-                bw.wcolsum if bw.wcolsum is not None else dummy, bw.dx,
-                N, V, D, weight.stride(0), weight.stride(1), bw.dx.stride(0), bw.dx.stride(1),
-                vb_start, vb_start * BN, (vb_start + done) * BN,
-                SMOOTH_TERMS=bw.smooth_vec and rounds == 1, LOAD_PREV=rounds > 1, **cons)
+            sp.reduce_dx(sm, vb_start, first=rounds == 1)
         if bw.need_dw or bw.need_db:
-            kept_t = kept.t().contiguous()
-            cm = torch.argsort((~kept_t).view(-1).to(torch.int8), stable=True)
-            col_ptr = torch.zeros((done + 1,), **i32)
-            col_ptr[1:] = torch.cumsum(kept_t.sum(1), 0)
-            dw, db = bw.dw, bw.db
-            dw_sparse_kernel[(done, _cdiv(D, BD) if bw.need_dw else 1)](
-                G, gcol, x, bw.order, col_ptr, (cm % num_tb).to(torch.int32),
-                sm[:, :done].t().reshape(-1)[cm], tok_ptr, toks, tok_pos, bw.tcoef,
-                bw.xsmooth if bw.xsmooth is not None else dummy,
-                bw.bsmooth if bw.bsmooth is not None else dummy,
-                dw if dw is not None else G, db if db is not None else G,
-                N, V, D, x.stride(0), x.stride(1),
-                dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
-                db.stride(0) if db is not None else 0, vb_start,
-                BLOCK_T=BT, HAS_BIAS=bw.need_db, HAS_SMOOTH_VEC=bw.smooth_vec, HAS_DW=bw.need_dw,
-                TGT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cons)
+            sp.reduce_dw(sm, vb_start)
         vb_start += done
         # Filtering does not pay when rounds keep most tiles: finish with static chunks. The
         # first blocks (the most frequent words) are often dense, so one dense round is not
         # enough to give up.
-        dense_streak = dense_streak + 1 if n_kept > cfg.dense_density * num_tb * done else 0
+        dense_streak = dense_streak + 1 if n_kept > cfg.dense_density * sp.num_tb * done else 0
         if dense_streak >= 2 or rounds >= cfg.dense_after_rounds:
             break
-    del G, gcol
+    tiles, nvb, BN = sp.num_tb * sp.nvb, sp.nvb, sp.BN
+    del sp  # free the tile buffer before the static chunks
     chunks = _static(bw, vb_start * BN, continuing=rounds > 0) if vb_start < nvb else 0
     record(CCEStats(phase="backward", path="sparse", chunks=chunks, sparse_rounds=rounds,
-                    tiles=num_tb * nvb, kept_tiles=kept_total, sparse_blocks=vb_start))
+                    tiles=tiles, kept_tiles=kept_total, sparse_blocks=vb_start))
 
 
 def _static(bw: _Backward, p0: int = 0, continuing: bool = False) -> int:

@@ -209,17 +209,22 @@ def chunk_plan(n_tokens: int, hidden: int, vocab: int, elem: int, budget: int,
 
     The chunk of logits (``rows x vocab`` in the compute dtype, overwritten by its gradient) gets
     the budget. dW accumulates across chunks in fp32 when an fp32 ``[vocab, hidden]`` buffer fits
-    in the budget beside a chunk of at least 64 rows; otherwise in the weight's dtype (each chunk's
-    product is summed in fp32 inside the GEMM, then rounded once per chunk).
+    in the budget without adding a chunk; otherwise in the weight's dtype (each chunk's product is
+    summed in fp32 inside the GEMM, then rounded once per chunk).
     """
     row_bytes = max(1, vocab * elem)
+
+    def rows_for(room: int) -> int:
+        rows = max(1, min(n_tokens, room // row_bytes))
+        return rows // 64 * 64 if 64 <= rows < n_tokens else rows
+
+    rows = rows_for(budget)
     acc_bytes = vocab * hidden * 4 if need_dw and elem < 4 else 0
-    fp32_acc = acc_bytes > 0 and acc_bytes + min(n_tokens, 64) * row_bytes <= budget
-    room = budget - (acc_bytes if fp32_acc else 0)
-    rows = max(1, min(n_tokens, room // row_bytes))
-    if 64 <= rows < n_tokens:
-        rows = rows // 64 * 64
-    return rows, fp32_acc
+    if acc_bytes and budget > acc_bytes:
+        rows32 = rows_for(budget - acc_bytes)
+        if -(-n_tokens // rows32) <= -(-n_tokens // rows):
+            return rows32, True
+    return rows, False
 
 
 # ---------------------------------------------------------------------------------------------

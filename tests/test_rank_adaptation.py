@@ -96,8 +96,9 @@ def explicit_size(net, coeffs_of):
     return total
 
 
-def applied_gate_grads(net, opt, ranker):
-    """Run one optimizer step (lr 0) on zero gradients and return what the ranker added."""
+def applied_gate_grads(net, opt, ranker, loss_grads=None):
+    """Run one optimizer step (lr 0) on zero gradients (or ``loss_grads`` on the gates) and return
+    the gates' gradients the optimizer then sees."""
     seen = {}
 
     def snapshot(optimizer, args, kwargs):
@@ -107,13 +108,16 @@ def applied_gate_grads(net, opt, ranker):
     handle = opt.register_step_pre_hook(snapshot)  # runs after the ranker's pre-hook
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
+    for g, value in zip((g for lay in cc.iter_tt_layers(net) for g in lay.gates), loss_grads or []):
+        g.grad = value.clone()
     opt.step()
     handle.remove()
     return seen
 
 
-@pytest.mark.parametrize("weight", ["params", "flops"])
-def test_penalty_gradient_equals_autograd_of_explicit_objective(weight):
+@pytest.mark.parametrize("weight,scale", [("params", "absolute"), ("flops", "absolute"), ("params", "grad")])
+def test_penalty_gradient_equals_autograd_of_explicit_objective(weight, scale):
+    """absolute: gamma * dS/dg / W_0 in loss units; grad: the same times the mean |dL/dg| over the gates."""
     net = make_net()
     if weight == "params":
         def coeffs_of(lay):
@@ -134,13 +138,15 @@ def test_penalty_gradient_equals_autograd_of_explicit_objective(weight):
     w_0 = torch.cat([d.abs() for d in torch.autograd.grad(explicit_size(net, coeffs_of), ones)]).mean().item()
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.3, weight=weight, prune_every=0,
-                            loss_from="observe", switch="manual")
+                            loss_from="observe", switch="manual", scale=scale)
     randomize_gates(net)
-    applied = applied_gate_grads(net, opt, ranker)
-
     gates = [g for lay in cc.iter_tt_layers(net) for g in lay.gates]
-    objective = 0.3 * explicit_size(net, coeffs_of) / w_0
-    expected = torch.autograd.grad(objective, gates)
+    loss_grads = [1e-3 * torch.randn(g.shape, generator=torch.Generator().manual_seed(i)) for i, g in enumerate(gates)]
+    applied = applied_gate_grads(net, opt, ranker, loss_grads)
+
+    unit = 1.0 if scale == "absolute" else torch.cat(loss_grads).abs().mean().item()
+    objective = 0.3 * unit * explicit_size(net, coeffs_of) / w_0
+    expected = [lg + d for lg, d in zip(loss_grads, torch.autograd.grad(objective, gates))]
     got = [g for lay in cc.iter_tt_layers(net) for g in applied[lay.fqn]]
     assert len(got) == len(expected) == 2 + 4 + 4
     for a, b in zip(got, expected):
@@ -403,7 +409,7 @@ def train_teacher_task(gamma, steps=300, seed=0, noise=0.1):
     student = make_net(seed=seed, rank=8)
     opt = torch.optim.Adam(student.parameters(), lr=1e-2)
     ranker = RankAdaptation(student, opt, target_compression=20, gamma=gamma, prune_every=25, threshold=2e-2,
-                            switch="manual")
+                            switch="manual", scale="absolute")
     losses = []
     for step in range(steps):
         idx, _ = batch(step, n=64)
@@ -589,3 +595,97 @@ def test_train_lm_rank_adapt_flag(tmp_path):
     assert json.loads(out.read_text())["prune_events"] == log["prune_events"]
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--rank-plot", str(plot)])
+
+
+# ---------------------------------------------------------------------------------- pace and defaults
+
+
+class MLP(nn.Module):
+    """A small TT-matrix MLP that returns its MSE loss when given targets."""
+
+    def __init__(self, rank, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 64)
+        cc.tensorize_(self, cc.TTConfig(rank=rank, fmt="ttm", min_size=0))
+
+    def forward(self, x, y=None):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return h if y is None else F.mse_loss(h, y)
+
+
+def test_default_settings_prune_within_a_few_hundred_steps():
+    """Teacher of rank 2, student of rank 8, every RankAdaptation option at its default and the
+    optimizer from cc.param_groups: the first gates reach the threshold within 400 steps (at a shared
+    lr of 3e-3 and an absolute penalty of 1e-3, ~1000 steps were needed)."""
+    teacher, student = MLP(rank=2, seed=100), MLP(rank=8, seed=0)
+    opt = torch.optim.AdamW(cc.param_groups(student, lr=3e-3))
+    ranker = RankAdaptation(student, opt, target_compression=50)
+    assert (ranker.gamma, ranker.scale, ranker.threshold, ranker.prune_every) == (1.0, "grad", 1e-2, 50)
+    for step in range(400):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(64, 64, generator=g)
+        with torch.no_grad():
+            y = teacher(x) + 0.05 * torch.randn(64, 64, generator=g)
+        loss = student(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if ranker.prune_events:
+            break
+    assert ranker.prune_events >= 1, f"no gate pruned in {ranker.step} steps; ranks {ranker.ranks()}"
+    assert math.isfinite(loss.item())
+    assert all(min(r) >= 1 for r in ranker.ranks().values())
+
+
+def test_slow_gate_learning_rate_warns_with_the_fix():
+    net = MLP(rank=4, seed=0)
+    with pytest.warns(UserWarning, match=r"fewer than 9,900 steps.*cc.param_groups"):
+        RankAdaptation(net, torch.optim.AdamW(net.parameters(), lr=1e-4), target_compression=5)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RankAdaptation(net, torch.optim.AdamW(cc.param_groups(net, lr=1e-3)), target_compression=5)
+        RankAdaptation(net, torch.optim.SGD(net.parameters(), lr=1e-4), target_compression=5)  # not Adam-type
+
+
+class _Output:
+    """What a Hugging Face model returns with labels=: an object with .loss and .logits."""
+
+    def __init__(self, loss, logits):
+        self.loss, self.logits = loss, logits
+
+
+class Wrapped(nn.Module):
+    def __init__(self, as_dict):
+        super().__init__()
+        self.net, self.as_dict = make_net(), as_dict
+
+    def forward(self, idx, target):
+        logits = self.net(idx)
+        loss = F.mse_loss(logits, target)
+        return {"loss": loss, "logits": logits} if self.as_dict else _Output(loss, logits)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_loss_is_read_from_a_model_output_or_a_dict(as_dict):
+    model = Wrapped(as_dict)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ranker = RankAdaptation(model, opt, target_compression=10, prune_every=0, loss_ema=0.5, switch="manual")
+    seen = []
+    for step in range(3):
+        idx, target = batch(step)
+        out = model(idx, target)
+        loss = out["loss"] if as_dict else out.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(loss.item())
+    expected = seen[0]
+    for value in seen[1:]:
+        expected = 0.5 * expected + 0.5 * value
+    assert ranker.loss_avg == pytest.approx(expected)
+    ranker.switch_stage()  # no "without an observed loss" warning: the loss was observed
+    assert ranker.loss_target == pytest.approx(expected * 1.02)
