@@ -80,8 +80,8 @@ def _tt_parameter_ids(model: nn.Module) -> tuple[set[int], set[int]]:
     cores: set[int] = set()
     gates: set[int] = set()
     for layer in iter_tt_layers(model):
-        cores.update(id(p) for p in layer.cores)
-        gates.update(id(p) for p in layer.gates)
+        cores.add(id(layer.param.core_flat))
+        gates.add(id(layer.param.gate_flat))
     return cores, gates
 
 
