@@ -22,8 +22,8 @@ Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``,
 ``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32. Tags ``-cpp`` / ``-combo`` add Inductor's
 ``cpp_wrapper`` / ``combo_kernels`` (e.g. ``tt-cpp``, ``dense-inductor-cpp``).
 
-Each variant runs in its own process: all of them build, compile and warm up concurrently, then take
-turns on the GPU for the timed steps, so no two timings overlap. Reported per variant: median step time
+Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
+one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
 (CUDA events), peak memory allocated and reserved (``max_memory_reserved`` includes CUDA-graph pools),
 kernels per step and GPU time by kind (profiler), compile time (the warm-up steps minus steady steps),
 parameters. The table goes to stdout; ``--json`` keeps everything.
@@ -360,10 +360,12 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
             cmd += ["--cprofile", str(args.cprofile)]
         log = open(os.path.join(tmp, f"{i}.log"), "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log.name, variant))
-    # turns go in order once a variant is warm; a variant that died is skipped
+    # every variant compiles and warms up first (compiling takes every CPU core, which would slow a
+    # host-bound timing); then the turns go in order; a variant that died is skipped
     for i, (p, out, logname, variant) in enumerate(procs):
         while not Path(turn + f".ready{i}").exists() and p.poll() is None:
             time.sleep(0.5)
+    for i, (p, out, logname, variant) in enumerate(procs):
         _write_turn(turn, i)
         while int(Path(turn).read_text()) == i and p.poll() is None:
             time.sleep(0.2)

@@ -46,15 +46,13 @@ EMBEDDINGS = [  # name, fmt, row_modes, col_modes, rank, rows, cols, lookups
 
 
 def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph (captured after a warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    """Median time of ``fn`` replayed from a CUDA graph. ``main`` puts the whole run on a side stream
+    (tensors made on the legacy default stream would make the backward's capture fail)."""
+    stream = torch.cuda.current_stream()
+    for _ in range(3):
+        fn()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         fn()
     times = []
     for _ in range(reps):
@@ -209,6 +207,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream())
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         calibrate(device)
         if args.calibrate:

@@ -178,7 +178,7 @@ def _plan(site: _Site, ctx: PassContext) -> None:
     _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
     out = fake(site.node)
     nbytes = out.element_size()
-    cudagraphs = ctx.options.cudagraphs
+    cudagraphs = ctx.options.cudagraphs if ctx.options.cudagraphs is not None else out.is_cuda  # auto: on
     if site.kind == "tt_embedding":
         n = size_hint(fake(site.x).numel())
         site.plan = plan_tt_embedding(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
