@@ -18,9 +18,10 @@ Models:
 
 Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
 (inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
-``tt`` / ``tt-cg`` (``backend="comera"`` default / with CUDA graphs), ``tt-fp32`` / ``tt-fp32-cg``,
-``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32. Tags ``-cpp`` / ``-combo`` add Inductor's
-``cpp_wrapper`` / ``combo_kernels`` (e.g. ``tt-cpp``, ``dense-inductor-cpp``).
+``tt`` (``backend="comera"`` as it comes: CUDA graphs on for the TT graph), ``tt-nocg`` (CUDA graphs
+off), ``tt-fp32``, ``ttm``, ``ttm-nocg``. bf16 autocast unless the name says fp32. Tags ``-cg`` /
+``-nocg`` force CUDA graphs on / off, ``-cpp`` / ``-combo`` add Inductor's ``cpp_wrapper`` /
+``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
@@ -52,9 +53,8 @@ sys.path.insert(0, str(ROOT))
 import comera_compile as cc  # noqa: E402
 
 ALL = {
-    "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-cg", "tt-fp32", "tt-fp32-cg",
-                "ttm", "ttm-cg"],
-    "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-cg"],
+    "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-nocg", "tt-fp32", "ttm", "ttm-nocg"],
+    "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-nocg"],
 }
 
 
@@ -231,7 +231,7 @@ def run_variant(model_name: str, variant: str, args) -> dict:
     model = model.to(device)
     params = _count(model)
     tags = set(variant.split("-"))
-    fp32, cg = "fp32" in tags, "cg" in tags
+    fp32, cg, nocg = "fp32" in tags, "cg" in tags, "nocg" in tags
     inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo")) if tag in tags}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if variant == "dense-eager":
@@ -243,10 +243,9 @@ def run_variant(model_name: str, variant: str, args) -> dict:
         options = {"inner": "aot_eager"} if args.smoke else {}
         if inductor:
             options["inductor_config"] = inductor
-        if cg and options:
-            options["cudagraphs"] = True
-        fn = torch.compile(model, backend="comera", mode="reduce-overhead" if cg and not options else None,
-                           options=options or None)
+        if cg or nocg:
+            options["cudagraphs"] = cg
+        fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
     autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
@@ -388,8 +387,10 @@ def table(results: list[dict]) -> str:
             f"{'kernels':>8} {'gemm ms':>8} {'ind ms':>7} {'other ms':>8} {'adam ms':>7} {'compile s':>9} {'params':>11}")
     lines = [head]
     for r in results:
+        graphs = "cg" in r["variant"].split("-") or (not r["variant"].startswith("dense") and "nocg" not in
+                                                    r["variant"].split("-"))
         ref = next((x for x in results if x["model"] == r["model"] and x["variant"] == (
-            "dense-inductor-cg" if r["variant"].endswith("-cg") else "dense-inductor")), None)
+            "dense-inductor-cg" if graphs else "dense-inductor")), None)
         vs = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         lines.append(f"{r['model']:<8} {r['variant']:<18} {r['step_ms']:8.2f} {vs:8.2f} {r['peak_alloc_mib']:9.0f} "
                      f"{r['peak_reserved_mib']:9.0f} {r.get('kernels_per_step', float('nan')):8.0f} "
@@ -424,9 +425,9 @@ def main(argv=None) -> list[dict]:
     for _, v in jobs:
         base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
-        if base is None or tags - {"cg", "fp32", "cpp", "combo"}:
+        if base is None or tags - {"cg", "nocg", "fp32", "cpp", "combo"}:
             ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt or ttm, "
-                     "then any of the tags -cg, -fp32, -cpp, -combo")
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:
