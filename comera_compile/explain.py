@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from comera_compile import matching
 from comera_compile.fx_utils import iter_graph_modules, logits_source
 from comera_compile.options import CompileOptions
 from comera_compile.report import Report, SkipRecord, collecting
@@ -115,8 +116,12 @@ def _note_separated_losses(report: Report) -> None:
             continue
         for _, gm in iter_graph_modules(graph.gm):
             for node in gm.graph.nodes:
-                if node.op == "call_function" and node.target in _LOSSES and isinstance(node.args[0], fx.Node):
-                    source = logits_source(node.args[0])
+                if node.op != "call_function" or node.target not in _LOSSES:
+                    continue
+                bound = matching.bind(node)
+                logits = bound["input"] if bound is not None else None
+                if isinstance(logits, fx.Node):
+                    source = logits_source(logits)
                     if source.op == "placeholder":
                         graph.skipped.append(SkipRecord("graph break", _separated_reason(
                             source, graph.index, report.graph_breaks), None, graph.index))

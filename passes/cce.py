@@ -598,9 +598,12 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
         b = emit.method("to", b, dtype)
     opts = ctx.options
     eps = opts.cce_filter_eps if opts.cce_filter_eps is not None else default_filter_eps(dtype)
+    needs = [ctx.training and isinstance(fake(t), torch.Tensor) and fake(t).requires_grad for t in (h, w, b)]
     fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b,
                           float(vals.softcap), int(head.ignore_index), float(head.label_smoothing),
-                          head.reduction, opts.cce_backward, float(eps), bool(opts.cce_deterministic), "auto")
+                          head.reduction, opts.cce_backward, float(eps), bool(opts.cce_deterministic), "auto",
+                          _strategy(head, ctx, dtype, eps), -1 if opts.cce_memory_budget is None
+                          else int(opts.cce_memory_budget), *needs)
     loss = emit.function(operator.getitem, fused, 0)
     expected = fake(head.loss)
     if expected.dtype != torch.float32:
@@ -608,10 +611,38 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
     return loss
 
 
+def _captured(head: _Head, ctx: PassContext) -> bool:
+    """Whether the graph will run under CUDA graphs (forced, or the backend's default for a GPU graph in
+    which tensor_network lowered TT layers): the fused loss then takes a path without sparse rounds."""
+    if ctx.options.cudagraphs is not None:
+        return ctx.options.cudagraphs
+    return fake(head.proj.h).is_cuda and any(r.kind in ("tt_linear", "tt_embedding") for r in ctx.report.rewrites)
+
+
+def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | None) -> tuple[tuple, dict]:
+    from comera_compile.planner import size_hint
+
+    fh = fake(head.proj.h)
+    n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
+    opts = ctx.options
+    return (n_tokens, size_hint(fh.shape[-1]), head.proj.vocab(), dtype), dict(
+        reduction=head.reduction, backward=opts.cce_backward, deterministic=opts.cce_deterministic,
+        memory_budget=opts.cce_memory_budget, filter_eps=eps, capture=_captured(head, ctx))
+
+
+def _strategy(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float) -> str:
+    """The op's path for this head in training, by its cost model; inference lets the op decide."""
+    from comera_compile.kernels.linear_cross_entropy import choose_strategy
+
+    if not ctx.training or not isinstance(head.proj.vocab(), int):
+        return "auto"
+    args, kwargs = _cost_args(head, ctx, dtype, eps)
+    return choose_strategy(*args, **kwargs)
+
+
 def _pays(head: _Head, ctx: PassContext) -> str | None:
     """Why fusing this head does not pay (``None``: it does): the user's ``cce_min_vocab``, or the op's cost rule."""
     from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
-    from comera_compile.planner import size_hint
 
     vocab = head.proj.vocab()
     if not isinstance(vocab, int):
@@ -619,9 +650,8 @@ def _pays(head: _Head, ctx: PassContext) -> str | None:
     threshold = ctx.options.cce_min_vocab
     if threshold is not None:
         return None if vocab >= threshold else f"vocabulary {vocab} < cce_min_vocab={threshold}"
-    fh = fake(head.proj.h)
-    n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
-    ok, reason = fused_loss_pays(n_tokens, size_hint(fh.shape[-1]), vocab, _projection_dtype(head), fh.device.type)
+    args, kwargs = _cost_args(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)
+    ok, reason = fused_loss_pays(*args, fake(head.proj.h).device.type, training=ctx.training, **kwargs)
     return None if ok else reason
 
 
@@ -631,7 +661,8 @@ def _detail(head: _Head, ctx: PassContext) -> str:
     return (f"{head.pattern}: D={fh.shape[-1]}, V={head.proj.vocab()}, reduction={head.reduction}, "
             f"ignore_index={head.ignore_index}, label_smoothing={head.label_smoothing}, "
             f"softcap={vals.softcap or 'none'}, scale={vals.scale:g}, bias={'yes' if vals.bias is not None else 'no'}, "
-            f"rows={rows}, upcast={'yes' if vals.upcast else 'no'}, backward={ctx.options.cce_backward}")
+            f"rows={rows}, upcast={'yes' if vals.upcast else 'no'}, backward={ctx.options.cce_backward}, "
+            f"path={_strategy(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)}")
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:

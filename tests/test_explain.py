@@ -137,3 +137,15 @@ def test_explain_reports_a_graph_break_between_projection_and_loss():
                         options={"inner": "eager"})
     (record,) = [s for s in report.skipped if s.kind == "graph break"]
     assert report.graph_breaks == [] and "no graph break was recorded" in record.reason
+
+
+def test_keyword_only_loss_left_alone_is_reported_not_crashed():
+    import torch.nn.functional as F
+
+    def f(h, W, y):
+        return F.cross_entropy(input=torch.add(h @ W.T, 1.0, alpha=2), target=y)
+
+    h, W, y = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    report = cc.explain(f, h, W, y, options={"inner": "eager", "cce_min_vocab": 0})
+    assert any("alpha" in s.reason for s in report.skipped), str(report)
+    torch.testing.assert_close(report.output, f(h, W, y))

@@ -8,7 +8,7 @@ CODE = textwrap.dedent("""
     import comera_compile
     lin = torch.nn.Linear(4, 7)
     f = lambda x, y: F.cross_entropy(lin(x), y)
-    torch.compile(f, backend="comera", options={"inner": "eager"})(torch.randn(3, 4), torch.tensor([0, 1, 2]))
+    torch.compile(f, backend="comera", options={"inner": "eager", "cce_min_vocab": 0})(torch.randn(3, 4), torch.tensor([0, 1, 2]))
 """)
 
 

@@ -258,7 +258,7 @@ def test_case7_all_keyword_arguments_are_fused():
 
 
 @pytest.mark.parametrize("case", ["transpose_rows", "select_dim1", "index_tensor", "temperature_softcap",
-                                  "nll_log_softmax_before_flatten", "addmm"])
+                                  "nll_log_softmax_before_flatten", "addmm", "strided_weight_view"])
 def test_row_and_value_ops_are_fused_exactly(case):
     idx = torch.tensor([4, 0, 2])
     fns = {
@@ -271,6 +271,9 @@ def test_row_and_value_ops_are_fused_exactly(case):
         "nll_log_softmax_before_flatten": lambda h, W, b, y: F.nll_loss(
             torch.matmul(h, W.T).log_softmax(-1)[:, 1:].flatten(0, 1), y[:, :-1].flatten(), reduction="sum"),
         "addmm": lambda h, W, b, y: F.cross_entropy(torch.addmm(b, h.reshape(-1, 8), W.t()), y.reshape(-1)),
+        # a lowered TT head: the weight is a transposed view of one slice of an unbind
+        "strided_weight_view": lambda h, W, b, y: F.cross_entropy(
+            F.linear(h, torch.unbind(torch.stack([W, 2 * W]).transpose(1, 2))[1].t()).view(-1, V), y.view(-1)),
     }
     report = _against_eager(fns[case])
     assert [r.kind for r in report.rewrites] == ["cce"], str(report)
