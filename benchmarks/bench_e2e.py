@@ -403,7 +403,8 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["encoder", "llama", "all"], default="all")
-    ap.add_argument("--variants", default=None, help="comma-separated (default: all of the model's)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated (default: all of the model's); MODEL:VARIANT names one model's")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, inner aot_eager: checks the script")
@@ -422,6 +423,8 @@ def main(argv=None) -> list[dict]:
         return []
     models = ["encoder", "llama"] if args.model == "all" else [args.model]
     jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])]
+    jobs = [(v.split(":")[0], v.split(":")[1]) if ":" in v else (m, v) for m, v in jobs]  # "llama:tt"
+    jobs = [j for j in dict.fromkeys(jobs) if j[0] in models]
     for _, v in jobs:
         base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
