@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from comera_compile import matching as M
 from comera_compile import tt_runtime
 from comera_compile.fx_utils import RewriteRejected, checked_replace, erase_unused, fake, fake_node, module_name
 from comera_compile.pass_manager import REGISTRY, PassContext
@@ -43,11 +44,6 @@ from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear, si
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
 
-_LINEAR = {torch._C._nn.linear, F.linear}
-_F_EMBEDDING = {F.embedding}
-_MATMUL = {operator.matmul, torch.matmul, torch.mm}
-_ADDMM = {torch.addmm}
-_F_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
 
 
 class _Meta(NamedTuple):
@@ -91,59 +87,44 @@ def _materialize_targets() -> set:
     return {packet, packet.default}
 
 
-def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The node's arguments by name (positional or keyword); an unknown keyword declines."""
-    if len(node.args) > len(names):
-        raise _Decline(f"{node.name} has {len(node.args)} positional arguments; expected at most {len(names)}")
-    bound = dict(defaults)
-    bound.update(zip(names, node.args))
-    for key, value in node.kwargs.items():
-        if key not in names:
-            raise _Decline(f"{node.name}: keyword argument {key}= is not understood")
-        bound[key] = value
-    return bound
-
-
 def _is_tt(value: Any, materialize: set) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and value.target in materialize
 
 
 def _match(node: fx.Node, materialize: set) -> _Site | None:
     """The TT site at ``node``, or None when ``node`` does not consume a TT weight (raises _Decline
-    for a TT consumer that cannot be rewritten exactly)."""
-    if node.op != "call_function":
+    for a TT consumer that cannot be rewritten exactly: every argument is checked)."""
+    if node.op not in ("call_function", "call_method") or not any(
+            _is_tt(v, materialize) for v in list(node.args) + list(node.kwargs.values())):
+        return None  # (a TT weight's other users keep the dense weight: reported at the end)
+    call = M.bind(node)
+    if call is None:
         return None
-    if node.target in _LINEAR:
-        a = _bind(node, ("input", "weight", "bias"), {"bias": None})
-        if not _is_tt(a["weight"], materialize):
-            return None
-        return _Site(node, a["weight"], "tt_linear", a["input"], a["bias"], x_times_m=bool(a["weight"].args[8]))
-    if node.target in _ADDMM:
-        a = _bind(node, ("input", "mat1", "mat2"), {})
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            raise _Decline(f"{node.name}: addmm with beta/alpha != 1")
-        if not _is_tt(a["mat2"], materialize):
-            return None
-        return _Site(node, a["mat2"], "tt_linear", a["mat1"], a["input"],
-                     x_times_m=not bool(a["mat2"].args[8]))
-    if node.target in _MATMUL and len(node.args) == 2 and not node.kwargs:
-        x, w = node.args
-        if not _is_tt(w, materialize):
-            return None
-        return _Site(node, w, "tt_linear", x, None, x_times_m=not bool(w.args[8]))
-    if node.target in _F_EMBEDDING:
-        a = _bind(node, _F_EMBEDDING_ARGS, {"padding_idx": None, "max_norm": None, "norm_type": 2.0,
-                                            "scale_grad_by_freq": False, "sparse": False})
-        if not _is_tt(a["weight"], materialize):
-            return None
-        if a["max_norm"] is not None:
-            raise _Decline("max_norm renormalizes weight rows in place; a TT weight has no rows to renormalize")
-        if a["scale_grad_by_freq"] or a["sparse"]:
-            raise _Decline("scale_grad_by_freq / sparse gradients are not supported for a TT weight")
-        return _Site(node, a["weight"], "tt_embedding", a["input"], padding_idx=a["padding_idx"])
-    if node.target is torch.embedding and any(_is_tt(v, materialize) for v in node.args):
-        raise _Decline("torch.embedding (the raw op) is not matched; F.embedding / nn.Embedding is")
-    return None  # any other user of a TT weight keeps the dense weight (reported at the end)
+    if M.is_call(node, M.LINEAR) and _is_tt(call["weight"], materialize):
+        _understood(call, "input", "weight", "bias")
+        w = call["weight"]
+        return _Site(node, w, "tt_linear", call["input"], call["bias"], x_times_m=bool(w.args[8]))
+    if M.is_call(node, M.ADDMM) and _is_tt(call["mat2"], materialize):
+        _understood(call, "input", "mat1", "mat2")
+        w = call["mat2"]
+        return _Site(node, w, "tt_linear", call["mat1"], call["input"], x_times_m=not bool(w.args[8]))
+    if M.is_call(node, M.MATMUL) and _is_tt(call["other" if "other" in call else "mat2"], materialize):
+        second = "other" if "other" in call else "mat2"
+        _understood(call, "input", second)
+        w = call[second]
+        return _Site(node, w, "tt_linear", call["input"], None, x_times_m=not bool(w.args[8]))
+    if M.is_call(node, M.EMBEDDING) and node.target is F.embedding and _is_tt(call["weight"], materialize):
+        _understood(call, "input", "weight", "padding_idx")
+        return _Site(node, call["weight"], "tt_embedding", call["input"], padding_idx=call["padding_idx"])
+    raise _Decline(f"{M.describe(node)} takes the TT weight in a way the lowering does not handle "
+                   "(e.g. as its first operand, or through torch.embedding's raw op)")
+
+
+def _understood(call: M.Bound, *names: str) -> None:
+    """Decline a call with an argument the lowering does not reproduce (max_norm=, alpha=, out=, ...)."""
+    problem = call.blocking(*names)
+    if problem is not None:
+        raise _Decline(f"{M.describe(call.node)}: {problem} is not supported with a tensor-train weight")
 
 
 def _check_shapes(site: _Site) -> None:
@@ -164,9 +145,8 @@ def _check_shapes(site: _Site) -> None:
     in_features = rows if site.x_times_m else cols
     if fx_.dim() < 1 or not fx_.is_floating_point() or fx_.shape[-1] != in_features:
         raise _Decline(f"the input {tuple(fx_.shape)} is not a floating-point tensor with {in_features} features")
-    if site.node.target in _ADDMM or site.node.target is torch.mm:
-        if fx_.dim() != 2:
-            raise _Decline(f"{site.node.target.__name__} of a {fx_.dim()}-D input")
+    if M.call_name(site.node) in ("addmm", "mm") and fx_.dim() != 2:
+        raise _Decline(f"{M.call_name(site.node)} of a {fx_.dim()}-D input")
     if site.bias is not None:
         fb = fake(site.bias)
         out_features = cols if site.x_times_m else rows

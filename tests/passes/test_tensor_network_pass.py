@@ -261,3 +261,25 @@ def test_layers_reading_the_same_input_share_one_first_factor_gemm():
     assert _calls(report, tt_runtime.project) == 1  # x @ [F1_q | F1_k | F1_v]
     assert all("one GEMM with 2 other layer(s)" in r.detail for r in report.rewrites)
     _check_same(model, copy.deepcopy(model), (x,))
+
+
+def test_arguments_the_lowering_does_not_reproduce_are_left_alone_by_name():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 12)
+            self.fc = nn.Linear(12, 24, bias=False)
+
+        def forward(self, idx):
+            h = F.embedding(idx, self.emb.weight, scale_grad_by_freq=True)  # not reproduced by the lookup
+            return torch.matmul(self.fc.weight, h.transpose(-1, -2)).square().mean()  # TT weight first
+
+    torch.manual_seed(0)
+    model = Odd()
+    tensorize_(model, TTConfig(rank=3, min_size=0, fmt="tt"))
+    idx = torch.randint(0, 40, (3, 5))
+    report = _report(model, idx)
+    assert not [r for r in report.rewrites if r.kind.startswith("tt_")], str(report)
+    reasons = " | ".join(s.reason for s in report.skipped)
+    assert "scale_grad_by_freq=True" in reasons and "first operand" in reasons, reasons
+    _check_same(model, copy.deepcopy(model), (idx,))
