@@ -69,13 +69,13 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
 from comera_compile import tt
-from comera_compile.tensorize import TTLayer, compression_report, iter_tt_layers
+from comera_compile.tensorize import TTParametrization, compression_report, iter_tt_layers
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,16 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
         out += [2.0 * math.prod(cm[: k - a + 1]) for k in range(a, d)]
         return out
     return [2.0 * math.prod(cm[: k + 1]) * rm[k] * math.prod(rm[k + 1:]) for k in range(d)]
+
+
+class _RankedLayer(NamedTuple):
+    """A layer the ranker adapts: its name and its parametrization, whose ``cores``, ``gates`` and
+    ``spec`` are read afresh after every pruning event. (The views an ``iter_tt_layers`` entry holds go
+    stale at a pruning event, and as non-leaf tensors they would make ``copy.deepcopy(model)`` fail:
+    the model's forward hook holds the ranker.)"""
+
+    fqn: str
+    param: TTParametrization
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -213,7 +223,7 @@ class RankAdaptation:
             raise ValueError(f"RankAdaptation: grad_ema must be in [0, 1), got {grad_ema}")
         self.model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module inside
         self.optimizer = optimizer
-        self.layers: list[TTLayer] = list(iter_tt_layers(self.model))
+        self.layers = [_RankedLayer(lay.fqn, lay.param) for lay in iter_tt_layers(self.model)]
         if not self.layers:
             raise ValueError("RankAdaptation: the model has no tensor-train layers; call cc.tensorize_ first")
         in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -251,7 +261,7 @@ class RankAdaptation:
                 f"{self.dense_params / max(report.other_params, 1):.1f}x); the late stage will keep pruning",
                 stacklevel=2)
         self._warn_if_gates_are_slow()
-        self._coeffs = [size_coefficients(lay.spec, weight) for lay in self.layers]
+        self._coeffs = [size_coefficients(lay.param.spec, weight) for lay in self.layers]
         self._size_ref = max(self._mean_gate_weight(), 1e-30)
 
         self.step = 0
@@ -332,7 +342,7 @@ class RankAdaptation:
 
     # ------------------------------------------------------------------------------ sizes
 
-    def _gate_l1(self, layer: TTLayer) -> list[float]:
+    def _gate_l1(self, layer: _RankedLayer) -> list[float]:
         return [float(g.detach().abs().sum()) for g in layer.param.gates]
 
     def relaxed_size(self) -> float:
@@ -367,7 +377,7 @@ class RankAdaptation:
         gates = [g for layer in self.layers for g in layer.param.gates]
         counts = iter(torch.stack([(g.detach().abs() >= self.threshold).sum() for g in gates]).tolist())  # one sync
         for layer in self.layers:
-            spec = layer.param.spec  # layer.spec holds the ranks at iteration time
+            spec = layer.param.spec
             total -= spec.num_params
             ranks = [1] + [next(counts) for _ in layer.param.gate_sizes] + [1]
             if layer.fqn not in self.dead:
@@ -530,7 +540,7 @@ class RankAdaptation:
         gates[k] = gates[k].index_select(0, keep)
         cores[k + 1] = cores[k + 1].index_select(0, keep)
 
-    def _kill(self, layer: TTLayer) -> None:
+    def _kill(self, layer: _RankedLayer) -> None:
         """Rank 1 on every bond, everything zero: the layer's weight is zero for good."""
         param = layer.param
         positions = param.positions()
