@@ -124,6 +124,20 @@ class _RankedLayer(NamedTuple):
     param: TTParametrization
 
 
+class _GateLayout(NamedTuple):
+    """Every layer's ``gate_flat`` laid end to end (``key``: their sizes and device): the bond of
+    each gate entry, and per bond its coefficients and neighbours, so that the penalty and the
+    effective size are a few tensor ops per step whatever the number of layers and bonds."""
+
+    key: tuple
+    bond_of: torch.Tensor  # [entries] global bond index of each gate entry
+    left: torch.Tensor  # [bonds] position of the left neighbour's l1 norm in [1, rho...] (0: none, rho = 1)
+    right: torch.Tensor  # [bonds] the same for the right neighbour
+    c_left: torch.Tensor  # [bonds] c_k of the core on the bond's left
+    c_right: torch.Tensor  # [bonds] c_{k+1} of the core on its right
+    entries: list[int]  # gate entries per layer
+
+
 def _loss_of(output: Any) -> torch.Tensor | None:
     """The scalar loss in a model's output: the output itself, its ``loss`` attribute (a Hugging Face
     ``ModelOutput``) or its ``"loss"`` entry (a dict); None when there is none."""
@@ -261,7 +275,10 @@ class RankAdaptation:
                 f"{self.dense_params / max(report.other_params, 1):.1f}x); the late stage will keep pruning",
                 stacklevel=2)
         self._warn_if_gates_are_slow()
-        self._coeffs = [size_coefficients(lay.param.spec, weight) for lay in self.layers]
+        specs = [lay.param.spec for lay in self.layers]
+        self._coeffs = [size_coefficients(spec, weight) for spec in specs]
+        self._chain_modes = [spec.sizes for spec in specs]  # core k holds r_{k-1} * s_k * r_k parameters
+        self._layout: _GateLayout | None = None
         self._size_ref = max(self._mean_gate_weight(), 1e-30)
 
         self.step = 0
@@ -355,13 +372,10 @@ class RankAdaptation:
 
     def _mean_gate_weight(self) -> float:
         """Mean over all gates of ``dS / d|g_{k,i}| = c_k rho_{k-1} + c_{k+1} rho_{k+1}``."""
-        total, count = 0.0, 0
-        for layer, coeffs in zip(self.layers, self._coeffs):
-            rho = [1.0] + self._gate_l1(layer) + [1.0]
-            for k, g in enumerate(layer.param.gates):
-                total += (coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]) * g.numel()
-                count += g.numel()
-        return total / max(count, 1)
+        layout = self._gate_layout()
+        if not layout.bond_of.numel():
+            return 0.0
+        return float(self._bond_weights(layout, self._all_gates())[layout.bond_of].double().mean())
 
     def ranks(self) -> dict[str, list[int]]:
         """Current internal ranks of every layer (0 on every bond of a zeroed layer)."""
@@ -371,17 +385,20 @@ class RankAdaptation:
         """The model's parameters as they are now (cores and gates included)."""
         return sum(p.numel() for p in self.model.parameters())
 
-    def effective_params(self) -> int:
-        """The model's parameters with each bond's rank counted as its gates >= threshold."""
-        total = self.num_params()
-        gates = [g for layer in self.layers for g in layer.param.gates]
-        counts = iter(torch.stack([(g.detach().abs() >= self.threshold).sum() for g in gates]).tolist())  # one sync
-        for layer in self.layers:
-            spec = layer.param.spec
-            total -= spec.num_params
-            ranks = [1] + [next(counts) for _ in layer.param.gate_sizes] + [1]
-            if layer.fqn not in self.dead:
-                total += spec.with_ranks(ranks).num_params
+    def effective_params(self, params: int | None = None) -> int:
+        """The model's parameters (``params``: :meth:`num_params`, if known) with each bond's rank
+        counted as its gates >= threshold."""
+        total = self.num_params() if params is None else params
+        layout = self._gate_layout()
+        above = (self._all_gates().abs() >= self.threshold).long()
+        per_bond = above.new_zeros(len(layout.left)).index_add_(0, layout.bond_of, above)
+        counts = iter(per_bond.tolist())  # one host sync
+        for layer, modes in zip(self.layers, self._chain_modes):
+            param = layer.param
+            total -= param.core_flat.numel() + param.gate_flat.numel()
+            ranks = [1] + [next(counts) for _ in param.gate_sizes] + [1]
+            if layer.fqn not in self.dead:  # cores and gates at those ranks
+                total += sum(r * s * q for r, s, q in zip(ranks, modes, ranks[1:])) + sum(ranks[1:-1])
         return total
 
     # ------------------------------------------------------------------------------ stages
@@ -431,22 +448,50 @@ class RankAdaptation:
 
     # ------------------------------------------------------------------------------ hooks
 
+    def _gate_layout(self) -> _GateLayout:
+        """The index maps over all layers' gates, rebuilt when a pruning event changed the sizes."""
+        device = self.layers[0].param.gate_flat.device
+        key = (device, tuple(tuple(lay.param.gate_sizes) for lay in self.layers))
+        if self._layout is not None and self._layout.key == key:
+            return self._layout
+        bond_of, left, right, c_left, c_right = [], [], [], [], []
+        for sizes, coeffs in zip(key[1], self._coeffs):
+            first = len(left)  # rho of global bond j sits at j + 1 in [1, rho...]
+            for k, size in enumerate(sizes):  # gate k sits on bond k + 1, between cores k and k + 1
+                bond_of += [first + k] * size
+                left.append(first + k if k > 0 else 0)
+                right.append(first + k + 2 if k + 1 < len(sizes) else 0)
+                c_left.append(coeffs[k])
+                c_right.append(coeffs[k + 1])
+        self._layout = _GateLayout(
+            key, *(torch.tensor(v, dtype=torch.long, device=device) for v in (bond_of, left, right)),
+            *(torch.tensor(v, dtype=torch.float32, device=device) for v in (c_left, c_right)),
+            [sum(sizes) for sizes in key[1]])
+        return self._layout
+
+    def _all_gates(self) -> torch.Tensor:
+        return torch.cat([lay.param.gate_flat.detach() for lay in self.layers])
+
+    @staticmethod
+    def _bond_weights(layout: _GateLayout, gates: torch.Tensor) -> torch.Tensor:
+        """``dS / d|g|`` per bond: ``c_k rho_{k-1} + c_{k+1} rho_{k+1}`` (``rho``: the gates' l1 norms)."""
+        mags = gates.abs().float()
+        rho = mags.new_zeros(len(layout.left)).index_add_(0, layout.bond_of, mags)
+        rho = torch.cat([rho.new_ones(1), rho])
+        return layout.c_left * rho[layout.left] + layout.c_right * rho[layout.right]
+
+    def _penalty(self, gamma: float | torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's penalty gradient, laid out like its ``gate_flat`` (float32); tensors
+        throughout, a fixed number of ops per step: no host synchronization on the GPU."""
+        layout = self._gate_layout()
+        gates = self._all_gates()
+        weights = self._bond_weights(layout, gates) * (gamma / self._size_ref)
+        return list((torch.sign(gates).float() * weights[layout.bond_of]).split(layout.entries))
+
     @torch.no_grad()
     def penalty_gradients(self, gamma: float | torch.Tensor) -> list[list[torch.Tensor]]:
         """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (``gamma`` in loss units)."""
-        out = []
-        scale = gamma / self._size_ref
-        for layer, coeffs in zip(self.layers, self._coeffs):
-            # Tensors throughout: no host synchronization on the GPU.
-            gates = layer.param.gates
-            l1 = [g.detach().abs().sum() for g in gates]
-            rho = [1.0] + l1 + [1.0]
-            grads = []
-            for k, g in enumerate(gates):  # gate k sits on bond k + 1, between cores k and k + 1
-                w = coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]
-                grads.append(torch.sign(g.detach()) * (w * scale))
-            out.append(grads)
-        return out
+        return [list(push.split(layer.param.gate_sizes)) for layer, push in zip(self.layers, self._penalty(gamma))]
 
     def _update_grad_ref(self) -> None:
         """Fold this step's mean ``|dL/dg|`` over the live gates into the running mean (no host sync)."""
@@ -473,15 +518,18 @@ class RankAdaptation:
         unit = self._unit()
         if self._gamma_t == 0 or unit is None:
             return
-        for layer, grads in zip(self.layers, self.penalty_gradients(self._gamma_t * unit)):
+        grads, pushes = [], []
+        for layer, push in zip(self.layers, self._penalty(self._gamma_t * unit)):
             flat = layer.param.gate_flat
-            if layer.fqn in self.dead or not flat.requires_grad or not grads:
+            if layer.fqn in self.dead or not flat.requires_grad or not push.numel():
                 continue
-            push = torch.cat(grads).to(flat.dtype)
             if flat.grad is None:
-                flat.grad = push
+                flat.grad = push.to(flat.dtype, copy=True)
             else:
-                flat.grad.add_(push)
+                grads.append(flat.grad)
+                pushes.append(push.to(flat.grad.dtype))
+        if grads:
+            torch._foreach_add_(grads, pushes)
 
     @torch.no_grad()
     def _post_step(self, optimizer, args, kwargs) -> None:
@@ -494,7 +542,7 @@ class RankAdaptation:
         params = self.num_params()
         self.history.append({
             "step": self.step, "stage": self.stage, "gamma": self._gamma_t, "ranks": self.ranks(),
-            "params": params, "effective_params": self.effective_params(),
+            "params": params, "effective_params": self.effective_params(params),
             "compression": self.dense_params / max(params, 1), "loss_avg": self.loss_avg,
         })
 

@@ -216,6 +216,25 @@ def test_pruning_preserves_function_and_slices_cores():
     assert ranker.history == []  # prune() called directly records nothing; steps do
 
 
+def test_effective_params_is_the_size_after_pruning():
+    """The size the late stage steers by counts each bond at its gates >= threshold: the size the
+    model has once the others are pruned."""
+    net = make_net()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for lay in cc.iter_tt_layers(net):
+            for gate in lay.param.gates:
+                gate.copy_(torch.rand(gate.shape, generator=g))
+                gate[0] = 1.0  # every bond keeps a rank
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, threshold=0.5)
+    expected = ranker.effective_params()
+    assert expected < ranker.num_params()
+    assert ranker.prune()
+    assert ranker.num_params() == cc.compression_report(net).params == expected
+    assert ranker.effective_params() == expected
+
+
 def test_rank_multiple_rounds_up_with_the_largest_gates():
     net = make_net(rank=12)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
