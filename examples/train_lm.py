@@ -207,6 +207,17 @@ def compress(model: nn.Module, args: argparse.Namespace) -> None:
         print(cc.compression_report(model))
 
 
+def optimizer_groups(model: nn.Module, args: argparse.Namespace) -> list[dict]:
+    """Weight decay on matrices, embeddings and TT cores, none on vectors and rank gates, all at
+    ``--lr``. A TT layer's cores are one flat Parameter, so cc.param_groups finds them by identity
+    (their shape would put them with the vectors)."""
+    if cc is not None and hasattr(cc, "param_groups"):
+        return cc.param_groups(model, args.lr, weight_decay=args.weight_decay, gate_lr=args.lr,
+                               core_weight_decay=args.weight_decay)
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def rank_adaptation(model: nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace):
     """Hook for issue 6: the ranker registers optimizer step hooks; the training loop is unchanged."""
     if args.rank_adapt is None:
@@ -313,12 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     dense_params = sum(p.numel() for p in model.parameters())
     compress(model, args)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda" or None,
-    )
+    opt = torch.optim.AdamW(optimizer_groups(model, args), lr=args.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda" or None)
     ranker = rank_adaptation(model, opt, args)
 
     if args.backend == "eager":

@@ -87,6 +87,25 @@ def test_train_tensorized_comera(tmp_path):
     assert log["parameters"] < log["dense_parameters"]
 
 
+@pytest.mark.skipif(not hasattr(train_lm.cc, "param_groups"), reason="comera_compile.param_groups not available")
+def test_weight_decay_reaches_the_tt_cores_and_not_the_gates():
+    """Decay on matrices and on the TT cores (one flat Parameter per layer, found by identity, not by
+    its shape), none on biases, norms and rank gates; every parameter once, at --lr."""
+    torch.manual_seed(0)
+    model = train_lm.GPT(256, 32, 64, 1, 2)
+    args = train_lm.parse_args(TINY + ["--d-model", "64", "--tensorize", "4", "--weight-decay", "0.05"])
+    train_lm.compress(model, args)
+    cores = {id(lay.param.core_flat) for lay in train_lm.cc.iter_tt_layers(model)}
+    gates = {id(lay.param.gate_flat) for lay in train_lm.cc.iter_tt_layers(model)}
+    assert cores and gates
+    decay = {id(p): g["weight_decay"] for g in train_lm.optimizer_groups(model, args) for p in g["params"]}
+    assert all(g["lr"] == args.lr for g in train_lm.optimizer_groups(model, args))
+    assert sorted(decay) == sorted(id(p) for p in model.parameters())
+    for name, p in model.named_parameters():
+        want = 0.05 if id(p) in cores or (p.dim() >= 2 and id(p) not in gates) else 0.0
+        assert decay[id(p)] == want, name
+
+
 def test_corpus_is_deterministic_and_split_by_file():
     a = data.load_stdlib_corpus(max_bytes=1_000_000)
     b = data.load_stdlib_corpus(max_bytes=1_000_000)
