@@ -18,11 +18,13 @@ Models:
 
 Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
 (inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
-``tt`` / ``tt-cg`` (``backend="comera"`` default / with CUDA graphs), ``tt-fp32`` / ``tt-fp32-cg``,
-``ttm`` / ``ttm-cg``. bf16 autocast unless the name says fp32.
+``tt`` (``backend="comera"`` as it comes: CUDA graphs on for the TT graph), ``tt-nocg`` (CUDA graphs
+off), ``tt-fp32``, ``ttm``, ``ttm-nocg``. bf16 autocast unless the name says fp32. Tags ``-cg`` /
+``-nocg`` force CUDA graphs on / off, ``-cpp`` / ``-combo`` add Inductor's ``cpp_wrapper`` /
+``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``).
 
-Each variant runs in its own process: all of them build, compile and warm up concurrently, then take
-turns on the GPU for the timed steps, so no two timings overlap. Reported per variant: median step time
+Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
+one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
 (CUDA events), peak memory allocated and reserved (``max_memory_reserved`` includes CUDA-graph pools),
 kernels per step and GPU time by kind (profiler), compile time (the warm-up steps minus steady steps),
 parameters. The table goes to stdout; ``--json`` keeps everything.
@@ -51,9 +53,8 @@ sys.path.insert(0, str(ROOT))
 import comera_compile as cc  # noqa: E402
 
 ALL = {
-    "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-cg", "tt-fp32", "tt-fp32-cg",
-                "ttm", "ttm-cg"],
-    "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-cg"],
+    "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-nocg", "tt-fp32", "ttm", "ttm-nocg"],
+    "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-nocg"],
 }
 
 
@@ -229,18 +230,22 @@ def run_variant(model_name: str, variant: str, args) -> dict:
         tensorize(model, model_name, fmt)
     model = model.to(device)
     params = _count(model)
-    fp32 = "fp32" in variant
-    cg = variant.endswith("-cg")
+    tags = set(variant.split("-"))
+    fp32, cg, nocg = "fp32" in tags, "cg" in tags, "nocg" in tags
+    inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo")) if tag in tags}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if variant == "dense-eager":
         fn = model
     elif variant.startswith("dense-inductor"):
-        fn = torch.compile(model, mode="reduce-overhead" if cg else None)
+        options = {"triton.cudagraphs": cg, **inductor} if inductor else None
+        fn = torch.compile(model, mode=None if options else "reduce-overhead" if cg else None, options=options)
     else:
         options = {"inner": "aot_eager"} if args.smoke else {}
-        if variant == "dense-comera" and not args.smoke:
-            options = {}
-        fn = torch.compile(model, backend="comera", mode="reduce-overhead" if cg else None, options=options or None)
+        if inductor:
+            options["inductor_config"] = inductor
+        if cg or nocg:
+            options["cudagraphs"] = cg
+        fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
     autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
@@ -327,16 +332,22 @@ def _wait_turn(args) -> None:
         time.sleep(0.2)
 
 
+def _write_turn(path: str, value: int) -> None:
+    """Atomically (a reader never sees a half-written file)."""
+    Path(path + ".tmp").write_text(str(value))
+    os.replace(path + ".tmp", path)
+
+
 def _done_turn(args) -> None:
     if args.turn:
-        Path(args.turn).write_text(str(args.index + 1))
+        _write_turn(args.turn, args.index + 1)
 
 
 def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
     """Run every (model, variant) in its own process: concurrent compiles, timings one at a time."""
     tmp = tempfile.mkdtemp(prefix="bench_e2e_")
     turn = os.path.join(tmp, "turn")
-    Path(turn).write_text("-1")
+    _write_turn(turn, -1)
     procs = []
     for i, (model_name, variant) in enumerate(jobs):
         out = os.path.join(tmp, f"{i}.json")
@@ -348,11 +359,13 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
             cmd += ["--cprofile", str(args.cprofile)]
         log = open(os.path.join(tmp, f"{i}.log"), "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log.name, variant))
-    # turns go in order once a variant is warm; a variant that died is skipped
+    # every variant compiles and warms up first (compiling takes every CPU core, which would slow a
+    # host-bound timing); then the turns go in order; a variant that died is skipped
     for i, (p, out, logname, variant) in enumerate(procs):
         while not Path(turn + f".ready{i}").exists() and p.poll() is None:
             time.sleep(0.5)
-        Path(turn).write_text(str(i))
+    for i, (p, out, logname, variant) in enumerate(procs):
+        _write_turn(turn, i)
         while int(Path(turn).read_text()) == i and p.poll() is None:
             time.sleep(0.2)
     results = []
@@ -374,8 +387,10 @@ def table(results: list[dict]) -> str:
             f"{'kernels':>8} {'gemm ms':>8} {'ind ms':>7} {'other ms':>8} {'adam ms':>7} {'compile s':>9} {'params':>11}")
     lines = [head]
     for r in results:
+        graphs = "cg" in r["variant"].split("-") or (not r["variant"].startswith("dense") and "nocg" not in
+                                                    r["variant"].split("-"))
         ref = next((x for x in results if x["model"] == r["model"] and x["variant"] == (
-            "dense-inductor-cg" if r["variant"].endswith("-cg") else "dense-inductor")), None)
+            "dense-inductor-cg" if graphs else "dense-inductor")), None)
         vs = r["step_ms"] / ref["step_ms"] if ref else float("nan")
         lines.append(f"{r['model']:<8} {r['variant']:<18} {r['step_ms']:8.2f} {vs:8.2f} {r['peak_alloc_mib']:9.0f} "
                      f"{r['peak_reserved_mib']:9.0f} {r.get('kernels_per_step', float('nan')):8.0f} "
@@ -388,7 +403,8 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["encoder", "llama", "all"], default="all")
-    ap.add_argument("--variants", default=None, help="comma-separated (default: all of the model's)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated (default: all of the model's); MODEL:VARIANT names one model's")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, inner aot_eager: checks the script")
@@ -406,8 +422,15 @@ def main(argv=None) -> list[dict]:
         Path(args.out_one).write_text(json.dumps(run_variant(args.model, variant, args)))
         return []
     models = ["encoder", "llama"] if args.model == "all" else [args.model]
-    jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])
-            if v in ALL[m]]
+    jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])]
+    jobs = [(v.split(":")[0], v.split(":")[1]) if ":" in v else (m, v) for m, v in jobs]  # "llama:tt"
+    jobs = [j for j in dict.fromkeys(jobs) if j[0] in models]
+    for _, v in jobs:
+        base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
+        tags = set(v[len(base):].split("-")) - {""} if base else set()
+        if base is None or tags - {"cg", "nocg", "fp32", "cpp", "combo"}:
+            ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt or ttm, "
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:

@@ -46,15 +46,13 @@ EMBEDDINGS = [  # name, fmt, row_modes, col_modes, rank, rows, cols, lookups
 
 
 def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph (captured after a warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    """Median time of ``fn`` replayed from a CUDA graph. ``main`` puts the whole run on a side stream
+    (tensors made on the legacy default stream would make the backward's capture fail)."""
+    stream = torch.cuda.current_stream()
+    for _ in range(3):
+        fn()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         fn()
     times = []
     for _ in range(reps):
@@ -66,6 +64,11 @@ def graph_time_ms(fn, reps: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 10)
     return sorted(times)[len(times) // 2]
+
+
+def _flats(cores, gates):
+    """One layer's cores and gates in flat storage, as comera::tt_materialize takes them."""
+    return [torch.cat([c.reshape(-1) for c in cores])], [torch.cat([g.reshape(-1) for g in gates])]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -107,7 +110,8 @@ def run_linear(name, fmt, rm, cm, rank, n, device, smoke) -> None:
 
         def fn():
             out = "factors" if strategy == "factored" else "dense_t"
-            parts = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, split, left, right, out, dt)
+            parts = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, split, left,
+                                             right, out, dt)
             y = F.linear(tt_runtime.project(x, parts[0], dt), parts[1]) if strategy == "factored" else F.linear(x, parts[0])
             return y, torch.autograd.grad(y, leaves, dy)  # no AccumulateGrad: capturable
         return fn
@@ -142,8 +146,8 @@ def run_embedding(name, fmt, rm, cm, rank, rows, cols, n, device, smoke) -> None
     p = planner.plan_tt_embedding(fmt, rm, cm, spec.ranks, n, 4, cudagraphs=True)
 
     def ours():
-        A, B = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, p.split, p.left, p.right, "tables",
-                                        torch.float32)
+        A, B = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, p.split, p.left,
+                                        p.right, "tables", torch.float32)
         out = tt_runtime.lookup(idx, A, B, rows, cols)
         return out, torch.autograd.grad(out, [*cores, *gates], dout)
 
@@ -165,6 +169,7 @@ def calibrate(device) -> None:
     print("calibration (bf16 GEMMs replayed from a CUDA graph):")
     shapes = [(8192, 8192, 8192), (4096, 768, 768), (4096, 3072, 768), (8192, 4096, 1024),
               (4096, 30, 768), (4096, 768, 30), (768, 30, 4096), (30, 768, 4096), (32768, 30, 768), (32768, 768, 30),
+              (4096, 32, 768), (4096, 768, 32), (768, 32, 4096), (32, 768, 4096),
               (8192, 32, 1024), (8192, 4096, 32), (1024, 32, 8192)]
     bw, rate = [], []
     for m, n, k in shapes:
@@ -202,6 +207,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream())
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         calibrate(device)
         if args.calibrate:

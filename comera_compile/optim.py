@@ -45,8 +45,10 @@ def param_groups(
 
     Groups (empty ones left out), each a dict with ``name``, ``params``, ``lr`` and ``weight_decay``:
 
-    * ``"tt_cores"``: every TT core; ``lr=core_lr`` (default ``lr``), ``core_weight_decay``;
-    * ``"tt_gates"``: every rank gate; ``lr=gate_lr`` (default ``10 * lr``), ``gate_weight_decay``;
+    * ``"tt_cores"``: every TT layer's ``core_flat`` (all its cores); ``lr=core_lr`` (default ``lr``),
+      ``core_weight_decay``;
+    * ``"tt_gates"``: every TT layer's ``gate_flat`` (all its rank gates); ``lr=gate_lr`` (default
+      ``10 * lr``), ``gate_weight_decay``;
     * ``"decay"``: other parameters with 2 or more dimensions (matrices, embeddings); ``weight_decay``;
     * ``"no_decay"``: other parameters (biases, norm weights); no weight decay.
 
@@ -80,8 +82,8 @@ def _tt_parameter_ids(model: nn.Module) -> tuple[set[int], set[int]]:
     cores: set[int] = set()
     gates: set[int] = set()
     for layer in iter_tt_layers(model):
-        cores.update(id(p) for p in layer.cores)
-        gates.update(id(p) for p in layer.gates)
+        cores.add(id(layer.param.core_flat))
+        gates.add(id(layer.param.gate_flat))
     return cores, gates
 
 

@@ -30,7 +30,12 @@ class CompileOptions:
         passes: switch passes on or off by name, e.g. ``{"cce": False}``. Unnamed passes keep their
             default (built-in and registered passes are on).
         strict: re-raise an error from a pass instead of rolling the pass back with a warning.
-        cudagraphs: run the compiled graph under CUDA graphs (``mode="reduce-overhead"`` sets it).
+        cudagraphs: run the compiled graph under CUDA graphs. ``None`` (default): on for a graph on the
+            GPU in which the ``tensor_network`` pass lowered tensor-train layers (their many small kernels
+            make a step launch-bound without CUDA graphs), off otherwise. ``True`` / ``False`` force it;
+            ``mode="reduce-overhead"`` sets ``True``, ``mode="max-autotune-no-cudagraphs"`` ``False``.
+            Under CUDA graphs an output is overwritten by the next call of the same graph: clone what
+            you keep across steps (``loss.item()`` or ``loss.detach().clone()``).
         max_autotune: Inductor's max-autotune (``mode="max-autotune"`` sets it).
         cce_backward: ``"filtered"`` skips vocabulary blocks whose softmax is below
             ``cce_filter_eps`` in the backward (Cut-Cross-Entropy); ``"exact"`` never skips.
@@ -48,7 +53,7 @@ class CompileOptions:
     inner: str = "inductor"
     passes: Mapping[str, bool] = field(default_factory=dict)
     strict: bool = False
-    cudagraphs: bool = False
+    cudagraphs: bool | None = None
     max_autotune: bool = False
     cce_backward: str = "filtered"
     cce_filter_eps: float | None = None
@@ -60,8 +65,10 @@ class CompileOptions:
     def __post_init__(self) -> None:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("cce_backward", self.cce_backward, CCE_BACKWARD)
-        for name in ("strict", "cudagraphs", "max_autotune", "cce_deterministic"):
+        for name in ("strict", "max_autotune", "cce_deterministic"):
             _check_type(name, getattr(self, name), bool, "a bool")
+        if self.cudagraphs is not None:
+            _check_type("cudagraphs", self.cudagraphs, bool, "a bool or None")
         if self.cce_filter_eps is not None:
             _check_type("cce_filter_eps", self.cce_filter_eps, (int, float), "a float or None")
             if not 0.0 <= float(self.cce_filter_eps) < 1.0:
@@ -108,11 +115,13 @@ class CompileOptions:
         if mode is None or mode == "default":
             return opts
         _check_choice("mode", mode, MODES)
-        return dataclasses.replace(
-            opts,
-            cudagraphs=opts.cudagraphs or mode in ("reduce-overhead", "max-autotune"),
-            max_autotune=opts.max_autotune or mode.startswith("max-autotune"),
-        )
+        cudagraphs = opts.cudagraphs
+        if mode in ("reduce-overhead", "max-autotune"):
+            cudagraphs = True
+        elif mode == "max-autotune-no-cudagraphs" and cudagraphs is None:
+            cudagraphs = False
+        return dataclasses.replace(opts, cudagraphs=cudagraphs,
+                                   max_autotune=opts.max_autotune or mode.startswith("max-autotune"))
 
     def pass_enabled(self, name: str, default: bool = True) -> bool:
         return self.passes.get(name, default)

@@ -281,10 +281,13 @@ class DeviceModel:
         return nbytes / self.bandwidth
 
 
-#: The H200 of the project's GPU machine (see module doc): bf16 GEMMs at ~650 TFLOP/s of the ~790
-#: measured on an 8192^3 product, skinny memory-bound GEMMs at ~3 TB/s of the 4.3 TB/s of a plain copy.
-H200 = DeviceModel(name="H200", gemm_flops=650e12, fp32_flops=45e12, bandwidth=3.0e12, launch_s=8e-6,
-                   graph_launch_s=2e-6)
+#: The H200 of the project's GPU machine, fitted to ``benchmarks/bench_tt.py --calibrate`` (torch 2.11,
+#: cuBLAS, 2026-12-01): bf16 GEMMs 690 TFLOP/s on an 8192^3 product and 390-680 at layer sizes; skinny
+#: rank-32 GEMMs 1.2-2.8 TB/s (the copy engine's 4.3 TB/s is out of their reach; a rank of 30 halves it,
+#: hence the rank padding); 1.1 us per kernel inside a CUDA graph (plus a GEMM's own setup), 7.7 us
+#: dispatched from Python.
+H200 = DeviceModel(name="H200", gemm_flops=600e12, fp32_flops=45e12, bandwidth=1.5e12, launch_s=8e-6,
+                   graph_launch_s=3e-6)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,12 +22,13 @@ the user's model, loss and training loop stay as they are:
   streams through the cores in order (a proxy: the planner may pick another order). The gradient is
   ``gamma_t * u * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``.
 * **step post-hook** prunes every ``prune_every`` steps: per bond, gates with ``|g| < threshold``
-  are removed and the cores on both sides are sliced physically (``param.data`` replaced, same
-  Parameter objects); the surviving gates keep their values (no rescaling), so the layer computes
+  are removed and the cores on both sides are sliced physically (each layer's flat core and gate
+  Parameters re-laid out by one gather, same Parameter objects; see
+  ``TTParametrization.relayout_``); the surviving gates keep their values (no rescaling), so the layer computes
   exactly what it computed with the pruned gates set to zero. With ``rank_multiple=8`` the surviving
   rank is rounded up (largest gates first, never above the current rank). Every optimizer state
   tensor of a parameter's shape (Adam's ``exp_avg``/``exp_avg_sq``, ``max_exp_avg_sq``, SGD's
-  ``momentum_buffer``, ...) and the gradient are sliced the same way. A bond with no surviving gate
+  ``momentum_buffer``, ...) and the gradient are gathered the same way. A bond with no surviving gate
   makes the layer's weight zero: the layer keeps rank 1 on every bond with cores, gates and their
   optimizer state zeroed (the TT kernels need ranks >= 1), so it stays a zero (bias-only) layer:
   all its gradients and Adam updates are exactly zero from then on.
@@ -69,14 +70,13 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
 from comera_compile import tt
-from comera_compile.tensorize import (TTLayer, compression_report, iter_tt_layers, set_parameter_data_,
-                                      tt_parametrization)
+from comera_compile.tensorize import TTParametrization, compression_report, iter_tt_layers
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,30 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
         out += [2.0 * math.prod(cm[: k - a + 1]) for k in range(a, d)]
         return out
     return [2.0 * math.prod(cm[: k + 1]) * rm[k] * math.prod(rm[k + 1:]) for k in range(d)]
+
+
+class _RankedLayer(NamedTuple):
+    """A layer the ranker adapts: its name and its parametrization, whose ``cores``, ``gates`` and
+    ``spec`` are read afresh after every pruning event. (The views an ``iter_tt_layers`` entry holds go
+    stale at a pruning event, and as non-leaf tensors they would make ``copy.deepcopy(model)`` fail:
+    the model's forward hook holds the ranker.)"""
+
+    fqn: str
+    param: TTParametrization
+
+
+class _GateLayout(NamedTuple):
+    """Every layer's ``gate_flat`` laid end to end (``key``: their sizes and device): the bond of
+    each gate entry, and per bond its coefficients and neighbours, so that the penalty and the
+    effective size are a few tensor ops per step whatever the number of layers and bonds."""
+
+    key: tuple
+    bond_of: torch.Tensor  # [entries] global bond index of each gate entry
+    left: torch.Tensor  # [bonds] position of the left neighbour's l1 norm in [1, rho...] (0: none, rho = 1)
+    right: torch.Tensor  # [bonds] the same for the right neighbour
+    c_left: torch.Tensor  # [bonds] c_k of the core on the bond's left
+    c_right: torch.Tensor  # [bonds] c_{k+1} of the core on its right
+    entries: list[int]  # gate entries per layer
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -214,12 +238,12 @@ class RankAdaptation:
             raise ValueError(f"RankAdaptation: grad_ema must be in [0, 1), got {grad_ema}")
         self.model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module inside
         self.optimizer = optimizer
-        self.layers: list[TTLayer] = list(iter_tt_layers(self.model))
+        self.layers = [_RankedLayer(lay.fqn, lay.param) for lay in iter_tt_layers(self.model)]
         if not self.layers:
             raise ValueError("RankAdaptation: the model has no tensor-train layers; call cc.tensorize_ first")
         in_opt = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [lay.fqn for lay in self.layers
-                   if any(id(p) not in in_opt for p in list(lay.cores) + list(lay.gates) if p.requires_grad)]
+                   if any(id(p) not in in_opt for p in (lay.param.core_flat, lay.param.gate_flat) if p.requires_grad)]
         if missing:
             raise ValueError(f"RankAdaptation: the optimizer does not hold the cores/gates of {missing}; "
                              "build the optimizer after tensorize_")
@@ -252,7 +276,10 @@ class RankAdaptation:
                 f"{self.dense_params / max(report.other_params, 1):.1f}x); the late stage will keep pruning",
                 stacklevel=2)
         self._warn_if_gates_are_slow()
-        self._coeffs = [size_coefficients(lay.spec, weight) for lay in self.layers]
+        specs = [lay.param.spec for lay in self.layers]
+        self._coeffs = [size_coefficients(spec, weight) for spec in specs]
+        self._chain_modes = [spec.sizes for spec in specs]  # core k holds r_{k-1} * s_k * r_k parameters
+        self._layout: _GateLayout | None = None
         self._size_ref = max(self._mean_gate_weight(), 1e-30)
 
         self.step = 0
@@ -279,7 +306,7 @@ class RankAdaptation:
     def _warn_if_gates_are_slow(self, slow_steps: int = 500) -> None:
         """Under Adam-type optimizers a parameter moves by at most about its learning rate per step,
         so the gates' learning rate bounds how soon any gate can reach the threshold."""
-        gate_ids = {id(g) for lay in self.layers for g in lay.gates}
+        gate_ids = {id(lay.param.gate_flat) for lay in self.layers}
         for group in self.optimizer.param_groups:
             lr = group.get("initial_lr", group.get("lr"))
             if "betas" not in group or not isinstance(lr, (int, float)) or lr <= 0:
@@ -287,7 +314,7 @@ class RankAdaptation:
             gates = [p for p in group["params"] if id(p) in gate_ids]
             if not gates:
                 continue
-            start = max(float(g.detach().abs().max()) for g in gates)
+            start = max(float(g.detach().abs().max()) for g in gates if g.numel())
             steps = (start - self.threshold) / lr
             if steps > slow_steps:
                 warnings.warn(
@@ -316,7 +343,7 @@ class RankAdaptation:
         dist = _dist_world()
         if dist is not None:
             # Every rank must call: a rank without a loss contributes NaN-free zeros and a count of 0.
-            t = torch.zeros(2, dtype=torch.float64, device=_collective_device(dist, self.layers[0].gates[0].device))
+            t = torch.zeros(2, dtype=torch.float64, device=_collective_device(dist, self.layers[0].param.gate_flat.device))
             if loss is not None:
                 t[0], t[1] = loss.detach().reshape(()).to(t), 1.0
             dist.all_reduce(t)
@@ -333,8 +360,8 @@ class RankAdaptation:
 
     # ------------------------------------------------------------------------------ sizes
 
-    def _gate_l1(self, layer: TTLayer) -> list[float]:
-        return [float(g.detach().abs().sum()) for g in layer.gates]
+    def _gate_l1(self, layer: _RankedLayer) -> list[float]:
+        return [float(g.detach().abs().sum()) for g in layer.param.gates]
 
     def relaxed_size(self) -> float:
         """``S(g)``: ``sum c_k * rho_{k-1} * rho_k`` over the layers, ``rho = ||g||_1`` (unnormalized)."""
@@ -346,34 +373,33 @@ class RankAdaptation:
 
     def _mean_gate_weight(self) -> float:
         """Mean over all gates of ``dS / d|g_{k,i}| = c_k rho_{k-1} + c_{k+1} rho_{k+1}``."""
-        total, count = 0.0, 0
-        for layer, coeffs in zip(self.layers, self._coeffs):
-            rho = [1.0] + self._gate_l1(layer) + [1.0]
-            for k, g in enumerate(layer.gates):
-                total += (coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]) * g.numel()
-                count += g.numel()
-        return total / max(count, 1)
+        layout = self._gate_layout()
+        if not layout.bond_of.numel():
+            return 0.0
+        return float(self._bond_weights(layout, self._all_gates())[layout.bond_of].double().mean())
 
     def ranks(self) -> dict[str, list[int]]:
         """Current internal ranks of every layer (0 on every bond of a zeroed layer)."""
-        return {lay.fqn: [0 if lay.fqn in self.dead else int(g.numel()) for g in lay.gates]
-                for lay in self.layers}
+        return {lay.fqn: [0 if lay.fqn in self.dead else n for n in lay.param.gate_sizes] for lay in self.layers}
 
     def num_params(self) -> int:
         """The model's parameters as they are now (cores and gates included)."""
         return sum(p.numel() for p in self.model.parameters())
 
-    def effective_params(self) -> int:
-        """The model's parameters with each bond's rank counted as its gates >= threshold."""
-        total = self.num_params()
-        gates = [g for layer in self.layers for g in layer.gates]
-        counts = iter(torch.stack([(g.detach().abs() >= self.threshold).sum() for g in gates]).tolist())  # one sync
-        for layer in self.layers:
-            spec = tt_parametrization(layer.module).spec  # layer.spec holds the ranks at iteration time
-            total -= spec.num_params
-            ranks = [1] + [next(counts) for _ in layer.gates] + [1]
-            if layer.fqn not in self.dead:
-                total += spec.with_ranks(ranks).num_params
+    def effective_params(self, params: int | None = None) -> int:
+        """The model's parameters (``params``: :meth:`num_params`, if known) with each bond's rank
+        counted as its gates >= threshold."""
+        total = self.num_params() if params is None else params
+        layout = self._gate_layout()
+        above = (self._all_gates().abs() >= self.threshold).long()
+        per_bond = above.new_zeros(len(layout.left)).index_add_(0, layout.bond_of, above)
+        counts = iter(per_bond.tolist())  # one host sync
+        for layer, modes in zip(self.layers, self._chain_modes):
+            param = layer.param
+            total -= param.core_flat.numel() + param.gate_flat.numel()
+            ranks = [1] + [next(counts) for _ in param.gate_sizes] + [1]
+            if layer.fqn not in self.dead:  # cores and gates at those ranks
+                total += sum(r * s * q for r, s, q in zip(ranks, modes, ranks[1:])) + sum(ranks[1:-1])
         return total
 
     # ------------------------------------------------------------------------------ stages
@@ -423,25 +449,55 @@ class RankAdaptation:
 
     # ------------------------------------------------------------------------------ hooks
 
+    def _gate_layout(self) -> _GateLayout:
+        """The index maps over all layers' gates, rebuilt when a pruning event changed the sizes."""
+        device = self.layers[0].param.gate_flat.device
+        key = (device, tuple(tuple(lay.param.gate_sizes) for lay in self.layers))
+        if self._layout is not None and self._layout.key == key:
+            return self._layout
+        bond_of, left, right, c_left, c_right = [], [], [], [], []
+        for sizes, coeffs in zip(key[1], self._coeffs):
+            first = len(left)  # rho of global bond j sits at j + 1 in [1, rho...]
+            for k, size in enumerate(sizes):  # gate k sits on bond k + 1, between cores k and k + 1
+                bond_of += [first + k] * size
+                left.append(first + k if k > 0 else 0)
+                right.append(first + k + 2 if k + 1 < len(sizes) else 0)
+                c_left.append(coeffs[k])
+                c_right.append(coeffs[k + 1])
+        self._layout = _GateLayout(
+            key, *(torch.tensor(v, dtype=torch.long, device=device) for v in (bond_of, left, right)),
+            *(torch.tensor(v, dtype=torch.float32, device=device) for v in (c_left, c_right)),
+            [sum(sizes) for sizes in key[1]])
+        return self._layout
+
+    def _all_gates(self) -> torch.Tensor:
+        return torch.cat([lay.param.gate_flat.detach() for lay in self.layers])
+
+    @staticmethod
+    def _bond_weights(layout: _GateLayout, gates: torch.Tensor) -> torch.Tensor:
+        """``dS / d|g|`` per bond: ``c_k rho_{k-1} + c_{k+1} rho_{k+1}`` (``rho``: the gates' l1 norms)."""
+        mags = gates.abs().float()
+        rho = mags.new_zeros(len(layout.left)).index_add_(0, layout.bond_of, mags)
+        rho = torch.cat([rho.new_ones(1), rho])
+        return layout.c_left * rho[layout.left] + layout.c_right * rho[layout.right]
+
+    def _penalty(self, gamma: float | torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's penalty gradient, laid out like its ``gate_flat`` (float32); tensors
+        throughout, a fixed number of ops per step: no host synchronization on the GPU."""
+        layout = self._gate_layout()
+        gates = self._all_gates()
+        weights = self._bond_weights(layout, gates) * (gamma / self._size_ref)
+        return list((torch.sign(gates).float() * weights[layout.bond_of]).split(layout.entries))
+
     @torch.no_grad()
     def penalty_gradients(self, gamma: float | torch.Tensor) -> list[list[torch.Tensor]]:
         """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (``gamma`` in loss units)."""
-        out = []
-        scale = gamma / self._size_ref
-        for layer, coeffs in zip(self.layers, self._coeffs):
-            # Tensors throughout: no host synchronization on the GPU.
-            l1 = [g.detach().abs().sum() for g in layer.gates]
-            rho = [1.0] + l1 + [1.0]
-            grads = []
-            for k, g in enumerate(layer.gates):  # gate k sits on bond k + 1, between cores k and k + 1
-                w = coeffs[k] * rho[k] + coeffs[k + 1] * rho[k + 2]
-                grads.append(torch.sign(g.detach()) * (w * scale))
-            out.append(grads)
-        return out
+        return [list(push.split(layer.param.gate_sizes)) for layer, push in zip(self.layers, self._penalty(gamma))]
 
     def _update_grad_ref(self) -> None:
         """Fold this step's mean ``|dL/dg|`` over the live gates into the running mean (no host sync)."""
-        grads = [g.grad for lay in self.layers if lay.fqn not in self.dead for g in lay.gates if g.grad is not None]
+        grads = [lay.param.gate_flat.grad for lay in self.layers
+                 if lay.fqn not in self.dead and lay.param.gate_flat.grad is not None]
         if not grads:
             return
         total = torch.stack(torch._foreach_norm(grads, 1)).float().sum()
@@ -463,16 +519,18 @@ class RankAdaptation:
         unit = self._unit()
         if self._gamma_t == 0 or unit is None:
             return
-        for layer, grads in zip(self.layers, self.penalty_gradients(self._gamma_t * unit)):
-            if layer.fqn in self.dead:
+        grads, pushes = [], []
+        for layer, push in zip(self.layers, self._penalty(self._gamma_t * unit)):
+            flat = layer.param.gate_flat
+            if layer.fqn in self.dead or not flat.requires_grad or not push.numel():
                 continue
-            for g, pg in zip(layer.gates, grads):
-                if not g.requires_grad:
-                    continue
-                if g.grad is None:
-                    g.grad = pg.to(g.dtype)
-                else:
-                    g.grad.add_(pg.to(g.grad.dtype))
+            if flat.grad is None:
+                flat.grad = push.to(flat.dtype, copy=True)
+            else:
+                grads.append(flat.grad)
+                pushes.append(push.to(flat.grad.dtype))
+        if grads:
+            torch._foreach_add_(grads, pushes)
 
     @torch.no_grad()
     def _post_step(self, optimizer, args, kwargs) -> None:
@@ -485,7 +543,7 @@ class RankAdaptation:
         params = self.num_params()
         self.history.append({
             "step": self.step, "stage": self.stage, "gamma": self._gamma_t, "ranks": self.ranks(),
-            "params": params, "effective_params": self.effective_params(),
+            "params": params, "effective_params": self.effective_params(params),
             "compression": self.dense_params / max(params, 1), "loss_avg": self.loss_avg,
         })
 
@@ -498,11 +556,11 @@ class RankAdaptation:
 
     def _decision_gates(self) -> list[list[torch.Tensor]]:
         """The gate magnitudes the decision is made on: rank 0's under torch.distributed."""
-        mags = [[g.detach().abs().float().cpu() for g in lay.gates] for lay in self.layers]
+        mags = [[g.detach().abs().float().cpu() for g in lay.param.gates] for lay in self.layers]
         dist = _dist_world()
         if dist is not None:
             flat = torch.cat([m for lay in mags for m in lay])
-            flat = flat.to(_collective_device(dist, self.layers[0].gates[0].device))
+            flat = flat.to(_collective_device(dist, self.layers[0].param.gate_flat.device))
             dist.broadcast(flat, src=0)
             flat, i = flat.cpu(), 0
             for lay in mags:
@@ -521,36 +579,30 @@ class RankAdaptation:
         order = torch.sort(mag, descending=True, stable=True).indices[:n]
         return torch.sort(order).values
 
-    def _slice_param(self, p: nn.Parameter, dim: int, idx: torch.Tensor) -> None:
-        """Keep ``idx`` along ``dim`` of ``p``, its gradient and its same-shaped optimizer state."""
-        idx = idx.to(p.device)
-        shape = p.shape
-        state = self.optimizer.state.get(p, {})
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and value.shape == shape:
-                state[key] = value.index_select(dim, idx.to(value.device))
-        grad = None if p.grad is None else p.grad.index_select(dim, idx)
-        set_parameter_data_(p, p.data.index_select(dim, idx))
-        p.grad = grad
+    @staticmethod
+    def _keep_bond(positions: tuple[list[torch.Tensor], list[torch.Tensor]], k: int, keep: torch.Tensor) -> None:
+        """Keep the ranks ``keep`` of bond ``k + 1`` in the index maps: core k's last dim, gate k, core
+        k + 1's first dim."""
+        cores, gates = positions
+        keep = keep.to(cores[k].device)
+        cores[k] = cores[k].index_select(cores[k].dim() - 1, keep)
+        gates[k] = gates[k].index_select(0, keep)
+        cores[k + 1] = cores[k + 1].index_select(0, keep)
 
-    def _zero_param(self, p: nn.Parameter) -> None:
-        p.data.zero_()
-        if p.grad is not None:
-            p.grad.zero_()
-        for value in self.optimizer.state.get(p, {}).values():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                value.zero_()
-
-    def _kill(self, layer: TTLayer) -> None:
+    def _kill(self, layer: _RankedLayer) -> None:
         """Rank 1 on every bond, everything zero: the layer's weight is zero for good."""
-        for k, g in enumerate(layer.gates):
-            keep = torch.zeros(1, dtype=torch.long)
-            if g.numel() != 1:
-                self._slice_param(layer.cores[k], layer.cores[k].dim() - 1, keep)
-                self._slice_param(g, 0, keep)
-                self._slice_param(layer.cores[k + 1], 0, keep)
-        for p in list(layer.cores) + list(layer.gates):
-            self._zero_param(p)
+        param = layer.param
+        positions = param.positions()
+        for k in range(len(param.gate_sizes)):
+            self._keep_bond(positions, k, torch.zeros(1, dtype=torch.long))
+        param.relayout_(*positions, optimizers=[self.optimizer])
+        for p in (param.core_flat, param.gate_flat):
+            p.data.zero_()
+            if p.grad is not None:
+                p.grad.zero_()
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value.zero_()
         self.dead.append(layer.fqn)
         log.info("RankAdaptation: %s lost a whole bond; its weight is zero from now on", layer.fqn)
 
@@ -562,18 +614,21 @@ class RankAdaptation:
         for layer, layer_mags in zip(self.layers, mags):
             if layer.fqn in self.dead:
                 continue
+            param = layer.param
             keeps = [self._keep(m) for m in layer_mags]
             if any(k.numel() == 0 for k in keeps):
-                before = [tuple(c.shape) for c in layer.cores]
+                before = list(param.core_shapes)
                 self._kill(layer)
-                changed |= before != [tuple(c.shape) for c in layer.cores]
+                changed |= before != param.core_shapes
                 continue
+            positions = param.positions()
+            cut = False
             for k, keep in enumerate(keeps):
-                if keep.numel() == layer.gates[k].numel():
-                    continue
-                self._slice_param(layer.cores[k], layer.cores[k].dim() - 1, keep)
-                self._slice_param(layer.gates[k], 0, keep)
-                self._slice_param(layer.cores[k + 1], 0, keep)
+                if keep.numel() < param.gate_sizes[k]:
+                    self._keep_bond(positions, k, keep)
+                    cut = True
+            if cut:
+                param.relayout_(*positions, optimizers=[self.optimizer])
                 changed = True
         if changed:
             self.prune_events += 1
@@ -627,7 +682,7 @@ class RankAdaptation:
         self._loss_trace = list(state["loss_trace"])
         self._gamma_t = state["gamma_t"]
         ref = state.get("grad_ref")
-        device = self.layers[0].gates[0].device
+        device = self.layers[0].param.gate_flat.device
         self._grad_ref = None if ref is None else torch.tensor(ref, dtype=torch.float32, device=device)
         self.history = [dict(h) for h in state["history"]]
         self._limit_base = state.get("limit_base")

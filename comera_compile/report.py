@@ -48,10 +48,12 @@ class GraphReport:
     rewrites: list[RewriteRecord] = field(default_factory=list)
     skipped: list[SkipRecord] = field(default_factory=list)
     passes_run: list[tuple[str, int]] = field(default_factory=list)
+    cudagraphs: bool = False  # whether the inner compiler runs this graph under CUDA graphs
 
     def __str__(self) -> str:
         lines = [f"=== graph {self.index} ==="]
         lines.append("passes: " + (", ".join(f"{n} ({c})" for n, c in self.passes_run) or "none"))
+        lines.append(f"CUDA graphs: {'on' if self.cudagraphs else 'off'}")
         lines.append(f"rewrites ({len(self.rewrites)}):")
         lines += [f"  {r}" for r in self.rewrites] or ["  none"]
         lines.append(f"left alone ({len(self.skipped)}):")

@@ -7,8 +7,9 @@ dict ``{fqn: TTConfig}`` for per-module configs. Call it before the optimizer is
 Each selected layer keeps its type and name; its ``weight`` becomes a ``torch.nn.utils.parametrize``
 parametrization (:class:`TTParametrization`) whose forward is exactly one call of
 ``torch.ops.comera.tt_materialize``, so Dynamo sees ``linear(x, comera.tt_materialize(...))``. The
-cores and the rank gates are ``nn.Parameter`` s of the parametrization
-(``<layer>.parametrizations.weight.0.cores.<k>`` / ``.gates.<k>``); the dense weight is not kept
+cores and the rank gates are views of two flat ``nn.Parameter`` s of the parametrization
+(``<layer>.parametrizations.weight.0.core_flat`` / ``.gate_flat``); ``state_dict`` holds them one
+entry per core and gate (``...weight.0.cores.<k>`` / ``.gates.<k>``). The dense weight is not kept
 (the parametrization's ``original`` is a zero-size, non-persistent buffer).
 """
 
@@ -163,7 +164,7 @@ def require_unsharded(model: nn.Module, what: str) -> None:
     """Raise ``NotImplementedError`` naming the TT layers whose cores or gates FSDP2 has sharded,
     for ``what`` (e.g. ``"RankAdaptation"``) that would change their shapes."""
     names = [layer.fqn for layer in iter_tt_layers(model)
-             if any(_is_dtensor(p) for p in list(layer.cores) + list(layer.gates))]
+             if any(_is_dtensor(p) for p in (layer.param.core_flat, layer.param.gate_flat))]
     if names:
         raise NotImplementedError(_FSDP2_RESIZE.format(what=what, names=names))
 
@@ -171,10 +172,15 @@ def require_unsharded(model: nn.Module, what: str) -> None:
 class TTParametrization(nn.Module):
     """A layer's weight as TT cores: ``forward`` is one ``comera::tt_materialize`` call.
 
-    Ranks are not stored: they are read from the cores, so rank pruning only slices the cores and
-    gates. Loading a state_dict whose ranks differ resizes the cores first (see
-    ``_load_from_state_dict``). Assigning ``module.weight = W`` re-fits the cores to ``W`` by
-    TT-SVD at the current ranks.
+    The cores live in one flat Parameter, ``core_flat``, and the rank gates in another,
+    ``gate_flat``; ``cores`` and ``gates`` are views of them, shaped as DESIGN.md describes. Two
+    Parameters per layer instead of one per core and gate: optimizers, autograd and compiled graphs
+    pay a fixed host cost per tensor, and a TT model would otherwise have ~10x as many as its dense
+    twin. ``state_dict`` still holds one entry per core and gate (``cores.<k>``, ``gates.<k>``).
+
+    Ranks are read from the core shapes, so rank pruning only re-lays out the flat Parameters
+    (:meth:`relayout_`). Loading a state_dict whose ranks differ re-lays them out first. Assigning
+    ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks.
     """
 
     def __init__(
@@ -195,46 +201,124 @@ class TTParametrization(nn.Module):
         self.kind = kind
         self.init = init
         self.init_error = init_error
-        self.cores = nn.ParameterList([nn.Parameter(c) for c in cores])
-        self.gates = nn.ParameterList([nn.Parameter(g) for g in gates])
+        self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
+        self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
+                                      cores[0].new_zeros(0))
+        self.core_shapes = [tuple(c.shape) for c in cores]
+        self.gate_sizes = [g.numel() for g in gates]
         self.refit_on_assign = False
 
     @property
+    def cores(self) -> list[torch.Tensor]:
+        """The cores, as views of ``core_flat``."""
+        parts = self.core_flat.split([math.prod(s) for s in self.core_shapes])
+        return [t.view(s) for t, s in zip(parts, self.core_shapes)]
+
+    @property
+    def gates(self) -> list[torch.Tensor]:
+        """The rank gates, as views of ``gate_flat``."""
+        return list(self.gate_flat.split(self.gate_sizes))
+
+    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Views of the cores' and gates' gradients (of ``core_flat.grad`` / ``gate_flat.grad``), or
+        None before a backward."""
+        if self.core_flat.grad is None or self.gate_flat.grad is None:
+            return None
+        parts = self.core_flat.grad.split([math.prod(s) for s in self.core_shapes])
+        return [t.view(s) for t, s in zip(parts, self.core_shapes)], list(self.gate_flat.grad.split(self.gate_sizes))
+
+    @property
     def spec(self) -> TTSpec:
-        return tt.spec_from_cores(list(self.cores), self.fmt, self.row_modes, self.col_modes,
+        return tt.spec_from_cores(self.cores, self.fmt, self.row_modes, self.col_modes,
                                   self.rows, self.cols, self.transpose)
+
+    def positions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Index maps: for every core and gate, the flat positions of its entries (int64, shaped
+        like it). Slice them as the cores should be sliced, then hand them to :meth:`relayout_`."""
+        flat = torch.arange(self.core_flat.numel(), device=self.core_flat.device)
+        cores = [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in self.core_shapes]), self.core_shapes)]
+        gflat = torch.arange(self.gate_flat.numel(), device=self.gate_flat.device)
+        return cores, list(gflat.split(self.gate_sizes))
+
+    @torch.no_grad()
+    def relayout_(self, core_positions: Sequence[torch.Tensor], gate_positions: Sequence[torch.Tensor],
+                  optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """New core and gate shapes, each entry taken from the flat position the index maps name
+        (see :meth:`positions`): the two Parameters keep their identity and are re-filled by one
+        gather each; so are their gradients and every optimizer state tensor shaped like them."""
+        for p, positions in ((self.core_flat, core_positions), (self.gate_flat, gate_positions)):
+            index = torch.cat([t.reshape(-1) for t in positions]) if positions else p.new_zeros(0, dtype=torch.long)
+            old = p.numel()
+            states = [opt.state.get(p, {}) for opt in optimizers]
+            set_parameter_data_(p, p.data[index])
+            if p.grad is not None:
+                p.grad = p.grad[index] if p.grad.numel() == old else None
+            for state in states:
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == old:
+                        state[key] = value[index]
+        self.core_shapes = [tuple(t.shape) for t in core_positions]
+        self.gate_sizes = [t.numel() for t in gate_positions]
+
+    @torch.no_grad()
+    def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
+        """Replace every core and gate (shapes may change; the Parameters keep their identity)."""
+        set_parameter_data_(self.core_flat, torch.cat([c.reshape(-1) for c in cores]).to(self.core_flat))
+        set_parameter_data_(self.gate_flat, torch.cat([g.reshape(-1) for g in gates]).to(self.gate_flat)
+                            if gates else self.gate_flat.data.new_zeros(0))
+        self.core_shapes = [tuple(c.shape) for c in cores]
+        self.gate_sizes = [g.numel() for g in gates]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [s[0] for s in self.core_shapes] + [self.core_shapes[-1][-1]]
 
     def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
         return torch.ops.comera.tt_materialize(
-            list(self.cores), list(self.gates), self.fmt, list(self.row_modes),
-            list(self.col_modes), self.rows, self.cols, self.transpose,
+            self.core_flat, self.gate_flat, self.fmt, list(self.row_modes), list(self.col_modes),
+            self.ranks, self.rows, self.cols, self.transpose,
         )
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
         if self.refit_on_assign and value.numel():
             matrix = value.t() if self.transpose else value
-            cores, err = tt.tt_svd(matrix.to(self.cores[0].dtype), self.spec)
-            with torch.no_grad():
-                for p, c in zip(self.cores, cores):
-                    p.copy_(c)
-                for g in self.gates:
-                    g.fill_(1)
+            cores, err = tt.tt_svd(matrix.to(self.core_flat.dtype), self.spec)
+            self.assign_(cores, [torch.ones_like(g) for g in self.gates])
             self.init, self.init_error = "svd", err
         return value.new_empty(0)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, tensors in (("cores", self.cores), ("gates", self.gates)):
+            for k, t in enumerate(tensors):
+                destination[f"{prefix}{name}.{k}"] = t if keep_vars else t.detach()
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # Checkpoints saved after rank pruning have smaller bonds: resize cores/gates to them
-        # (same Parameter objects) before the usual copy. Other mismatches are left for
-        # load_state_dict to report.
-        for name, params in (("cores", self.cores), ("gates", self.gates)):
-            for i, p in enumerate(params):
-                saved = state_dict.get(f"{prefix}{name}.{i}")
-                if (isinstance(saved, torch.Tensor) and saved.dim() == p.dim()
-                        and saved.shape != p.shape and saved.shape[1:-1] == p.shape[1:-1]):
-                    set_parameter_data_(p, p.data.new_empty(saved.shape))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        # One entry per core and gate, as saved; a checkpoint saved after rank pruning has smaller
+        # bonds: the flat Parameters are re-laid out to its shapes before the copy.
+        saved = {}
+        for name, current in (("cores", self.cores), ("gates", self.gates)):
+            saved[name] = []
+            for k, t in enumerate(current):
+                key = f"{prefix}{name}.{k}"
+                value = state_dict.get(key)
+                if value is None:
+                    missing_keys.append(key)
+                elif not isinstance(value, torch.Tensor) or value.dim() != t.dim() or (
+                        value.shape != t.shape and value.shape[1:-1] != t.shape[1:-1]):
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                      f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape in current "
+                                      f"model is {tuple(t.shape)}.")
+                else:
+                    saved[name].append(value)
+        known = {f"{prefix}{n}.{k}" for n, ts in (("cores", self.cores), ("gates", self.gates)) for k in range(len(ts))}
+        for key in state_dict:
+            if key.startswith(prefix) and "." not in key[len(prefix):].split(".", 1)[-1] and key not in known \
+                    and key[len(prefix):].split(".")[0] in ("cores", "gates", "core_flat", "gate_flat"):
+                unexpected_keys.append(key)
+        if len(saved["cores"]) == len(self.core_shapes) and len(saved["gates"]) == len(self.gate_sizes):
+            self.assign_([v.to(self.core_flat.dtype) for v in saved["cores"]],
+                         [v.to(self.gate_flat.dtype) for v in saved["gates"]])
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -242,15 +326,17 @@ class TTParametrization(nn.Module):
 
 
 class TTLayer(NamedTuple):
-    """One tensorized layer, as :func:`iter_tt_layers` yields it. ``shared_with`` names the other
-    modules whose weight is the same TT (a tied embedding and LM head made with ``tied="share"``)."""
+    """One tensorized layer, as :func:`iter_tt_layers` yields it: ``cores`` and ``gates`` are views of
+    ``param.core_flat`` / ``param.gate_flat`` (its :class:`TTParametrization`). ``shared_with`` names
+    the other modules whose weight is the same TT (a tied embedding and LM head, ``tied="share"``)."""
 
     fqn: str
     module: nn.Module
     spec: TTSpec
-    cores: nn.ParameterList
-    gates: nn.ParameterList
+    cores: list
+    gates: list
     shared_with: tuple[str, ...] = ()
+    param: "TTParametrization | None" = None
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -275,7 +361,7 @@ def iter_tt_layers(model: nn.Module) -> Iterator[TTLayer]:
             found.setdefault(id(p), []).append((fqn, module))
     for (fqn, module), *others in found.values():
         p = tt_parametrization(module)
-        yield TTLayer(fqn, module, p.spec, p.cores, p.gates, tuple(f for f, _ in others))
+        yield TTLayer(fqn, module, p.spec, p.cores, p.gates, tuple(f for f, _ in others), p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -574,6 +660,10 @@ def _plan_all(model: nn.Module, selected: dict[str, TTConfig], modules: dict[str
 def _set_dense(module: nn.Module, weight: nn.Parameter) -> None:
     """Make ``module.weight`` the plain Parameter ``weight`` (removing a TT parametrization)."""
     if parametrize.is_parametrized(module, "weight"):
+        # a deepcopy shares the parametrized class with its original, and removing the
+        # parametrization deletes the property from that class: give this module its own first
+        cls = type(module)
+        module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
         delattr(module, "weight")
     module.weight = weight
@@ -598,7 +688,7 @@ def _prepare(plan: _Plan) -> None:
 
 def _requires_grad(module: nn.Module) -> bool:
     p = tt_parametrization(module)
-    return p.cores[0].requires_grad if p is not None else module.weight.requires_grad
+    return p.core_flat.requires_grad if p is not None else module.weight.requires_grad
 
 
 def _apply(plan: _Plan) -> None:
@@ -617,8 +707,8 @@ def _apply(plan: _Plan) -> None:
         cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device)
     gates = [torch.ones(r, dtype=dtype, device=device) for r in spec.gate_sizes]
     param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error)
-    param.cores.requires_grad_(weight.requires_grad)
-    param.gates.requires_grad_(weight.requires_grad)
+    param.core_flat.requires_grad_(weight.requires_grad)
+    param.gate_flat.requires_grad_(weight.requires_grad)
     for _, module in plan.modules:
         _register(module, param)
     param.refit_on_assign = True
@@ -697,7 +787,7 @@ def densify_(model: nn.Module) -> nn.Module:
     for layer in list(iter_tt_layers(root)):
         with torch.no_grad():
             weight = layer.module.weight.detach().clone()
-        dense = nn.Parameter(weight, requires_grad=layer.cores[0].requires_grad)
+        dense = nn.Parameter(weight, requires_grad=layer.param.core_flat.requires_grad)
         for module in [layer.module] + [root.get_submodule(f) for f in layer.shared_with]:
             _set_dense(module, dense)
     return model
@@ -788,7 +878,7 @@ def compression_report(model: nn.Module) -> CompressionReport:
     for layer in iter_tt_layers(model):
         p = tt_parametrization(layer.module)
         spec = layer.spec
-        tt_param_ids.update(id(t) for t in list(layer.cores) + list(layer.gates))
+        tt_param_ids.update((id(layer.param.core_flat), id(layer.param.gate_flat)))
         layers.append(LayerReport(
             fqn=layer.fqn, kind=p.kind, weight_shape=spec.weight_shape, fmt=spec.fmt,
             factorization=spec.describe(), padded_shape=(spec.padded_rows, spec.padded_cols),

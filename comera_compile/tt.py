@@ -43,6 +43,7 @@ __all__ = [
     "random_cores",
     "rank_bounds",
     "spec_from_cores",
+    "split_flat",
     "tt_svd",
 ]
 
@@ -228,7 +229,7 @@ class TTSpec:
                       self.cols, self.transpose)
 
     def op_args(self) -> tuple:
-        """The metadata arguments of ``comera::tt_materialize`` after ``cores, gates``."""
+        """The metadata arguments of :func:`comera_compile.tt_materialize` after ``cores, gates``."""
         return (self.fmt, list(self.row_modes), list(self.col_modes), self.rows, self.cols,
                 self.transpose)
 
@@ -376,6 +377,17 @@ def spec_from_cores(
         raise ValueError("at least one core is required")
     ranks = tuple(int(c.shape[0]) for c in cores) + (int(cores[-1].shape[-1]),)
     return TTSpec(fmt, tuple(row_modes), tuple(col_modes), ranks, rows, cols, transpose)
+
+
+def split_flat(core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec) -> tuple[list, list]:
+    """The cores and gates of ``spec`` as views of their flat storage (cores back to back in order,
+    then, in ``gate_flat``, the gates)."""
+    shapes = spec.core_shapes
+    if core_flat.numel() != count_params(shapes, include_gates=False) or gate_flat.numel() != sum(spec.gate_sizes):
+        raise ValueError(f"flat storage of {core_flat.numel()} core and {gate_flat.numel()} gate entries does not "
+                         f"match ranks {list(spec.ranks)} of {spec.describe()}")
+    parts = core_flat.split([_prod(s) for s in shapes])
+    return [t.view(s) for t, s in zip(parts, shapes)], list(gate_flat.split(list(spec.gate_sizes)))
 
 
 def _chain(cores, gates, spec: TTSpec, dtype) -> list[torch.Tensor]:

@@ -49,16 +49,23 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(device_type=t.device.type, enabled=False)
 
 
-def _stacked_chain(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Sequence[torch.Tensor]],
-                   modes: list[tuple[int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+def _stacked_chain(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor],
+                   modes: list[tuple[int, int]], ranks: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Per core position: the K layers' cores as [K, r, s, r] (s = m * n), each gate folded into its
-    left core, in ``dtype``."""
-    chain = []
+    left core, in ``dtype``. The layers' flat storages are stacked once ([K, numel]); every core is a
+    strided view of that stack, so the whole group costs one stack per storage, not one per core."""
+    cores = torch.stack(list(core_flats)) if len(core_flats) > 1 else core_flats[0][None]
+    gates = torch.stack(list(gate_flats)) if len(gate_flats) > 1 else gate_flats[0][None]
+    K, d = cores.shape[0], len(modes)
+    chain, off, goff = [], 0, 0
     for k, (m, n) in enumerate(modes):
-        stack = torch.stack([c[k].reshape(c[k].shape[0], m * n, c[k].shape[-1]) for c in cores])
-        if k < len(modes) - 1:
-            stack = stack * torch.stack([g[k] for g in gates])[:, None, None, :]
-        chain.append(stack.to(dtype))
+        size = ranks[k] * m * n * ranks[k + 1]
+        core = cores[:, off:off + size].view(K, ranks[k], m * n, ranks[k + 1])
+        off += size
+        if k < d - 1:
+            core = core * gates[:, goff:goff + ranks[k + 1]][:, None, None, :]
+            goff += ranks[k + 1]
+        chain.append(core.to(dtype))
     return chain
 
 
@@ -87,10 +94,12 @@ def _to_rows_cols(t: torch.Tensor, modes: list[tuple[int, int]], rank_first: boo
     return t.reshape(K, math.prod(m for m, _ in modes), math.prod(n for _, n in modes), r)
 
 
-def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Sequence[torch.Tensor]], fmt: str,
-                  row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int, split: int,
-                  left: Bracket, right: Bracket, output: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The token-independent work of K layers of one structure, batched; per layer, in order:
+def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], fmt: str,
+                  row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int], rows: int, cols: int,
+                  split: int, left: Bracket, right: Bracket, output: str,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The token-independent work of K layers of one structure (their cores and gates in flat storage,
+    as ``comera::tt_materialize`` takes them), batched; per layer, in order:
 
     * ``"factors"``: ``(F1, F2)`` with ``x @ M = linear(x @ F1, F2)``: F1 = L[:rows] [rows, r],
       F2 = R[:, :cols]ᵀ [cols, r] (``"tt"`` cut between its row and column modes; r zero-padded to a
@@ -102,14 +111,14 @@ def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Seque
     if output not in OUTPUTS:
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
     modes = chain_modes(fmt, row_modes, col_modes)
-    with _no_autocast(cores[0][0]):
-        chain = _stacked_chain(cores, gates, modes, dtype)
+    with _no_autocast(core_flats[0]):
+        chain = _stacked_chain(core_flats, gate_flats, modes, ranks, dtype)
         L = _merge(chain, left)[:, 0]  # [K, S_L, r]
         R = _merge(chain, right)[..., 0]  # [K, r, S_R]
         if output in ("factors", "factors_t", "tables"):
             L, R = _pad_rank(L, R)
         if output in ("factors", "factors_t"):
-            f1, f2 = L[:, :rows], R[:, :, :cols].transpose(1, 2)
+            f1, f2 = _crop(L, 1, rows), _crop(R, 2, cols).transpose(1, 2)
             if output == "factors_t":
                 f1, f2 = f2, f1
             return _per_layer(f1, f2)
@@ -121,10 +130,15 @@ def group_outputs(cores: Sequence[Sequence[torch.Tensor]], gates: Sequence[Seque
         full = torch.bmm(L, R)  # [K, S_L, S_R]: chain order
         if fmt == "ttm":
             full = _to_rows_cols(full.reshape(K, -1, 1), modes, rank_first=False)
-        m = full.reshape(K, P, Q)[:, :rows, :cols]
+        m = _crop(_crop(full.reshape(K, P, Q), 1, rows), 2, cols)
         if output == "dense_t":
             m = m.transpose(1, 2)
         return _per_layer(m)
+
+
+def _crop(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` cut to ``size`` along ``dim`` (the padding of a factorized size); no op when it fits."""
+    return t if t.shape[dim] == size else t.narrow(dim, 0, size)
 
 
 def _pad_rank(L: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,27 +171,41 @@ def lookup(indices: torch.Tensor, A: torch.Tensor, B: torch.Tensor, rows: int, c
     iR`` is ``A[iL] · B[iR]ᵀ`` ([O_L, O_R] flattened row-major). Indices outside ``[0, rows)`` raise
     like ``nn.Embedding``'s (IndexError on the CPU, a device-side assert on the GPU). Lookups of
     ``padding_idx`` pass no gradient, as in ``F.embedding``."""
-    import comera_compile.kernels.tt_embedding  # noqa: F401  (defines comera::tt_index_split)
-
     ir, orr = B.shape[0], B.shape[1]
     flat = indices.reshape(-1)
-    il_idx, ir_idx = torch.ops.comera.tt_index_split(flat, rows, ir)
+    il_idx, ir_idx = _split_indices(flat, rows, ir)
     with _no_autocast(A):
         if ir == 1 and A.shape[1] == 1:  # "tt" cut between rows and columns: one GEMM
             out = torch.matmul(A[il_idx, 0], B[0].t())
         else:
             out = torch.bmm(A[il_idx], B[ir_idx].transpose(1, 2)).reshape(flat.shape[0], A.shape[1] * orr)
-    out = out[:, :cols]
+    out = _crop(out, 1, cols)
     if padding_idx is not None:
         pad = padding_idx + rows if padding_idx < 0 else padding_idx
         out = torch.where((flat == pad)[:, None], out.detach(), out)
     return out.reshape(*indices.shape, cols)
 
 
+def _split_indices(flat: torch.Tensor, rows: int, ir: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(i // ir, i % ir)`` after nn.Embedding's range check. On the GPU: a device-side assert, as
+    nn.Embedding's CUDA kernel does (no host sync, capture-safe), in plain ops Inductor fuses; on the
+    CPU: ``comera::tt_index_split``, which raises eager's IndexError."""
+    if flat.is_cuda:
+        torch._assert_async(((flat >= 0) & (flat < rows)).all(), "index out of range in self")
+        idx = flat.long()
+        return torch.div(idx, ir, rounding_mode="floor"), torch.remainder(idx, ir)
+    import comera_compile.kernels.tt_embedding  # noqa: F401  (defines comera::tt_index_split)
+
+    return torch.ops.comera.tt_index_split(flat, rows, ir)
+
+
 def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], fmt: str,
                   row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int, plan,
                   output: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`group_outputs` for one layer, with the cut and merge orders of ``plan``."""
-    return group_outputs([list(cores)], [list(gates)], fmt, row_modes, col_modes, rows, cols, plan.split,
+    """:func:`group_outputs` for one layer given as lists of cores and gates, with the cut and merge
+    orders of ``plan``."""
+    core_flat = torch.cat([c.reshape(-1) for c in cores])
+    gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else core_flat.new_zeros(0)
+    return group_outputs([core_flat], [gate_flat], fmt, row_modes, col_modes, plan.ranks, rows, cols, plan.split,
                          plan.left, plan.right, output, dtype)
 

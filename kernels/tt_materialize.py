@@ -1,8 +1,8 @@
 """``comera::tt_materialize``: the marker op that turns TT / TT-matrix cores into a dense weight.
 
 A tensorized layer's weight parametrization is exactly one call of this op, so a Dynamo graph shows
-``linear(x, comera.tt_materialize(cores, gates, ...))`` and the tensor-network pass can replace the
-pair with a contraction that never forms the weight. In eager mode (and whenever no pass rewrites
+``linear(x, comera.tt_materialize(core_flat, gate_flat, ...))`` and the tensor-network pass can replace
+the pair with a contraction that never forms the weight. In eager mode (and whenever no pass rewrites
 it) the op is simply correct: the body contracts the cores with torch
 (:func:`comera_compile.tt.materialize`), the backward uses explicit formulas
 (:func:`comera_compile.tt.materialize_vjp`) written in plain torch ops, so AOTAutograd traces them
@@ -10,11 +10,12 @@ into the backward graph and double backward works.
 
 Schema (DESIGN.md)::
 
-    comera::tt_materialize(Tensor[] cores, Tensor[] gates, str fmt, int[] row_modes,
-                           int[] col_modes, int rows, int cols, bool transpose) -> Tensor
+    comera::tt_materialize(Tensor core_flat, Tensor gate_flat, str fmt, int[] row_modes,
+                           int[] col_modes, int[] ranks, int rows, int cols, bool transpose) -> Tensor
 
-It returns ``M[:rows, :cols]`` (``transpose=False``) or its transpose (``transpose=True``, nn.Linear),
-contiguous. Ranks are read from the cores' shapes, so pruned cores need no new metadata.
+The cores are stored back to back in ``core_flat`` and the rank gates in ``gate_flat`` (the layout of
+``comera_compile.tt.split_flat`` for ``ranks``). It returns ``M[:rows, :cols]`` (``transpose=False``) or
+its transpose, contiguous (``transpose=True``, nn.Linear).
 """
 
 from __future__ import annotations
@@ -23,48 +24,52 @@ from typing import Sequence
 
 import torch
 
-from comera_compile.tt import materialize, materialize_vjp, spec_from_cores
+from comera_compile.tt import TTSpec, materialize, materialize_vjp, split_flat
 
 __all__ = ["tt_materialize"]
 
 _NAME = "comera::tt_materialize"
 
 
+def _spec(fmt, row_modes, col_modes, ranks, rows, cols, transpose) -> TTSpec:
+    return TTSpec(fmt, tuple(row_modes), tuple(col_modes), tuple(ranks), rows, cols, transpose)
+
+
 @torch.library.custom_op(_NAME, mutates_args=())
 def _tt_materialize(
-    cores: list[torch.Tensor],
-    gates: list[torch.Tensor],
+    core_flat: torch.Tensor,
+    gate_flat: torch.Tensor,
     fmt: str,
     row_modes: list[int],
     col_modes: list[int],
+    ranks: list[int],
     rows: int,
     cols: int,
     transpose: bool,
 ) -> torch.Tensor:
-    spec = spec_from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
-    return materialize(cores, gates, spec)
+    spec = _spec(fmt, row_modes, col_modes, ranks, rows, cols, transpose)
+    return materialize(*split_flat(core_flat, gate_flat, spec), spec)
 
 
 @_tt_materialize.register_fake
-def _(cores, gates, fmt, row_modes, col_modes, rows, cols, transpose):
-    # No shape checks on the cores here: under dynamic shapes a comparison would install guards.
+def _(core_flat, gate_flat, fmt, row_modes, col_modes, ranks, rows, cols, transpose):
+    # No shape checks here: under dynamic shapes a comparison would install guards.
     shape = (cols, rows) if transpose else (rows, cols)
-    return cores[0].new_empty(shape)
+    return core_flat.new_empty(shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = inputs
-    ctx.n_cores = len(cores)
-    ctx.meta = (fmt, list(row_modes), list(col_modes), rows, cols, transpose)
-    ctx.save_for_backward(*cores, *gates)
+    core_flat, gate_flat, *meta = inputs
+    ctx.spec = _spec(*meta)
+    ctx.save_for_backward(core_flat, gate_flat)
 
 
 def _backward(ctx, grad):
-    saved = ctx.saved_tensors
-    cores, gates = list(saved[: ctx.n_cores]), list(saved[ctx.n_cores:])
-    spec = spec_from_cores(cores, *ctx.meta)
-    grad_cores, grad_gates = materialize_vjp(cores, gates, spec, grad)
-    return grad_cores, grad_gates, None, None, None, None, None, None
+    core_flat, gate_flat = ctx.saved_tensors
+    grad_cores, grad_gates = materialize_vjp(*split_flat(core_flat, gate_flat, ctx.spec), ctx.spec, grad)
+    flat = torch.cat([g.reshape(-1) for g in grad_cores])
+    gflat = torch.cat([g.reshape(-1) for g in grad_gates]) if grad_gates else gate_flat.new_zeros(0)
+    return flat, gflat, None, None, None, None, None, None, None
 
 
 _tt_materialize.register_autograd(_backward, setup_context=_setup_context)
@@ -80,8 +85,11 @@ def tt_materialize(
     cols: int,
     transpose: bool,
 ) -> torch.Tensor:
-    """Python entry point: ``torch.ops.comera.tt_materialize`` with lists coerced."""
+    """Python entry point: the weight of the TT given by ``cores`` and ``gates`` (concatenated into the
+    op's flat storage; ranks read from the core shapes)."""
+    ranks = [int(c.shape[0]) for c in cores] + [int(cores[-1].shape[-1])]
+    gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else cores[0].new_zeros(0)
     return torch.ops.comera.tt_materialize(
-        list(cores), list(gates), fmt, [int(m) for m in row_modes], [int(m) for m in col_modes],
-        int(rows), int(cols), bool(transpose),
+        torch.cat([c.reshape(-1) for c in cores]), gate_flat, fmt, [int(m) for m in row_modes],
+        [int(m) for m in col_modes], ranks, int(rows), int(cols), bool(transpose),
     )

@@ -1,6 +1,6 @@
 """Lower tensor-train layers into batched merges and GEMMs that Inductor compiles with the rest.
 
-A tensorized layer's weight is one ``comera.tt_materialize(cores, gates, ...)`` call (see
+A tensorized layer's weight is one ``comera.tt_materialize(core_flat, gate_flat, ...)`` call (see
 ``comera_compile.tensorize``), so the Dynamo graph shows one of
 
     linear(x, tt_materialize(..., transpose=True), bias)     nn.Linear            x @ M
@@ -29,25 +29,35 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from comera_compile import matching as M
 from comera_compile import tt_runtime
 from comera_compile.fx_utils import RewriteRejected, checked_replace, erase_unused, fake, fake_node, module_name
 from comera_compile.pass_manager import REGISTRY, PassContext
-from comera_compile.planner import TTPlan, core_ranks, plan_tt_embedding, plan_tt_linear, size_hint
+from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear, size_hint
 
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
 
-_LINEAR = {torch._C._nn.linear, F.linear}
-_F_EMBEDDING = {F.embedding}
-_MATMUL = {operator.matmul, torch.matmul, torch.mm}
-_ADDMM = {torch.addmm}
-_F_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+
+
+class _Meta(NamedTuple):
+    """The arguments of a ``comera::tt_materialize`` node."""
+
+    core_flat: fx.Node
+    gate_flat: fx.Node
+    fmt: str
+    row_modes: list[int]
+    col_modes: list[int]
+    ranks: list[int]
+    rows: int
+    cols: int
+    transpose: bool
 
 
 class _Decline(Exception):
@@ -66,9 +76,8 @@ class _Site:
     plan: TTPlan | None = None
     output: str = ""
 
-    def meta(self):
-        cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = self.w.args
-        return list(cores), list(gates), fmt, list(row_modes), list(col_modes), int(rows), int(cols), bool(transpose)
+    def meta(self) -> _Meta:
+        return _Meta(*self.w.args)
 
 
 def _materialize_targets() -> set:
@@ -78,64 +87,49 @@ def _materialize_targets() -> set:
     return {packet, packet.default}
 
 
-def _bind(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The node's arguments by name (positional or keyword); an unknown keyword declines."""
-    if len(node.args) > len(names):
-        raise _Decline(f"{node.name} has {len(node.args)} positional arguments; expected at most {len(names)}")
-    bound = dict(defaults)
-    bound.update(zip(names, node.args))
-    for key, value in node.kwargs.items():
-        if key not in names:
-            raise _Decline(f"{node.name}: keyword argument {key}= is not understood")
-        bound[key] = value
-    return bound
-
-
 def _is_tt(value: Any, materialize: set) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and value.target in materialize
 
 
 def _match(node: fx.Node, materialize: set) -> _Site | None:
     """The TT site at ``node``, or None when ``node`` does not consume a TT weight (raises _Decline
-    for a TT consumer that cannot be rewritten exactly)."""
-    if node.op != "call_function":
+    for a TT consumer that cannot be rewritten exactly: every argument is checked)."""
+    if node.op not in ("call_function", "call_method") or not any(
+            _is_tt(v, materialize) for v in list(node.args) + list(node.kwargs.values())):
+        return None  # (a TT weight's other users keep the dense weight: reported at the end)
+    call = M.bind(node)
+    if call is None:
         return None
-    if node.target in _LINEAR:
-        a = _bind(node, ("input", "weight", "bias"), {"bias": None})
-        if not _is_tt(a["weight"], materialize):
-            return None
-        return _Site(node, a["weight"], "tt_linear", a["input"], a["bias"], x_times_m=bool(a["weight"].args[7]))
-    if node.target in _ADDMM:
-        a = _bind(node, ("input", "mat1", "mat2"), {})
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            raise _Decline(f"{node.name}: addmm with beta/alpha != 1")
-        if not _is_tt(a["mat2"], materialize):
-            return None
-        return _Site(node, a["mat2"], "tt_linear", a["mat1"], a["input"],
-                     x_times_m=not bool(a["mat2"].args[7]))
-    if node.target in _MATMUL and len(node.args) == 2 and not node.kwargs:
-        x, w = node.args
-        if not _is_tt(w, materialize):
-            return None
-        return _Site(node, w, "tt_linear", x, None, x_times_m=not bool(w.args[7]))
-    if node.target in _F_EMBEDDING:
-        a = _bind(node, _F_EMBEDDING_ARGS, {"padding_idx": None, "max_norm": None, "norm_type": 2.0,
-                                            "scale_grad_by_freq": False, "sparse": False})
-        if not _is_tt(a["weight"], materialize):
-            return None
-        if a["max_norm"] is not None:
-            raise _Decline("max_norm renormalizes weight rows in place; a TT weight has no rows to renormalize")
-        if a["scale_grad_by_freq"] or a["sparse"]:
-            raise _Decline("scale_grad_by_freq / sparse gradients are not supported for a TT weight")
-        return _Site(node, a["weight"], "tt_embedding", a["input"], padding_idx=a["padding_idx"])
-    if node.target is torch.embedding and any(_is_tt(v, materialize) for v in node.args):
-        raise _Decline("torch.embedding (the raw op) is not matched; F.embedding / nn.Embedding is")
-    return None  # any other user of a TT weight keeps the dense weight (reported at the end)
+    if M.is_call(node, M.LINEAR) and _is_tt(call["weight"], materialize):
+        _understood(call, "input", "weight", "bias")
+        w = call["weight"]
+        return _Site(node, w, "tt_linear", call["input"], call["bias"], x_times_m=bool(w.args[8]))
+    if M.is_call(node, M.ADDMM) and _is_tt(call["mat2"], materialize):
+        _understood(call, "input", "mat1", "mat2")
+        w = call["mat2"]
+        return _Site(node, w, "tt_linear", call["mat1"], call["input"], x_times_m=not bool(w.args[8]))
+    if M.is_call(node, M.MATMUL) and _is_tt(call["other" if "other" in call else "mat2"], materialize):
+        second = "other" if "other" in call else "mat2"
+        _understood(call, "input", second)
+        w = call[second]
+        return _Site(node, w, "tt_linear", call["input"], None, x_times_m=not bool(w.args[8]))
+    if M.is_call(node, M.EMBEDDING) and node.target is F.embedding and _is_tt(call["weight"], materialize):
+        _understood(call, "input", "weight", "padding_idx")
+        return _Site(node, call["weight"], "tt_embedding", call["input"], padding_idx=call["padding_idx"])
+    raise _Decline(f"{M.describe(node)} takes the TT weight in a way the lowering does not handle "
+                   "(e.g. as its first operand, or through torch.embedding's raw op)")
+
+
+def _understood(call: M.Bound, *names: str) -> None:
+    """Decline a call with an argument the lowering does not reproduce (max_norm=, alpha=, out=, ...)."""
+    problem = call.blocking(*names)
+    if problem is not None:
+        raise _Decline(f"{M.describe(call.node)}: {problem} is not supported with a tensor-train weight")
 
 
 def _check_shapes(site: _Site) -> None:
-    cores, gates, fmt, row_modes, col_modes, rows, cols, transpose = site.meta()
-    if len(cores) < 2:
+    _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
+    if len(ranks) < 3:
         raise _Decline("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
     if not isinstance(fx_, torch.Tensor) or not isinstance(fw, torch.Tensor):
@@ -151,9 +145,8 @@ def _check_shapes(site: _Site) -> None:
     in_features = rows if site.x_times_m else cols
     if fx_.dim() < 1 or not fx_.is_floating_point() or fx_.shape[-1] != in_features:
         raise _Decline(f"the input {tuple(fx_.shape)} is not a floating-point tensor with {in_features} features")
-    if site.node.target in _ADDMM or site.node.target is torch.mm:
-        if fx_.dim() != 2:
-            raise _Decline(f"{site.node.target.__name__} of a {fx_.dim()}-D input")
+    if M.call_name(site.node) in ("addmm", "mm") and fx_.dim() != 2:
+        raise _Decline(f"{M.call_name(site.node)} of a {fx_.dim()}-D input")
     if site.bias is not None:
         fb = fake(site.bias)
         out_features = cols if site.x_times_m else rows
@@ -162,11 +155,10 @@ def _check_shapes(site: _Site) -> None:
 
 
 def _plan(site: _Site, ctx: PassContext) -> None:
-    cores, _, fmt, row_modes, col_modes, rows, cols, transpose = site.meta()
-    ranks = core_ranks(fmt, [fake(c).shape for c in cores])
+    _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
     out = fake(site.node)
     nbytes = out.element_size()
-    cudagraphs = ctx.options.cudagraphs
+    cudagraphs = ctx.options.cudagraphs if ctx.options.cudagraphs is not None else out.is_cuda  # auto: on
     if site.kind == "tt_embedding":
         n = size_hint(fake(site.x).numel())
         site.plan = plan_tt_embedding(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
@@ -194,17 +186,17 @@ class _Group:
 
 
 def _group_key(site: _Site) -> tuple:
-    cores, _, fmt, row_modes, col_modes, rows, cols, _ = site.meta()
-    shapes = tuple(tuple(fake(c).shape) for c in cores)
-    fc = fake(cores[0])
+    meta = site.meta()
     p = site.plan
-    return (fmt, tuple(row_modes), tuple(col_modes), rows, cols, shapes, site.output, p.split, p.left, p.right,
-            fake(site.node).dtype, str(fc.device))
+    return (meta.fmt, tuple(meta.row_modes), tuple(meta.col_modes), tuple(meta.ranks), meta.rows, meta.cols,
+            site.output, p.split, p.left, p.right, fake(site.node).dtype, fake(meta.core_flat).dtype,
+            str(fake(meta.core_flat).device))
 
 
-def _groups(sites: list[_Site], order: dict[fx.Node, int]) -> list[_Group]:
+def _groups(sites: list[_Site], graph: fx.Graph) -> list[_Group]:
     """Sites with the same key share one batched call, placed before the first of them; a member joins
-    only if all its cores and gates exist by then."""
+    only if its flat cores and gates exist by then (graph inputs always do)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
     groups: list[_Group] = []
     for site in sorted(sites, key=lambda s: order[s.node]):
         key = _group_key(site)
@@ -231,14 +223,15 @@ def _with_fake(node: fx.Node) -> fx.Node:
 
 def _emit_group(graph: fx.Graph, g: _Group) -> None:
     site = g.sites[0]
-    _, _, fmt, row_modes, col_modes, rows, cols, _ = site.meta()
-    cores = [list(w.args[0]) for w in g.members]
-    gates = [list(w.args[1]) for w in g.members]
+    meta = site.meta()
+    core_flats = [w.args[0] for w in g.members]
+    gate_flats = [w.args[1] for w in g.members]
     dtype = fake(site.node).dtype
     p = site.plan
     with graph.inserting_before(g.anchor):
-        call = graph.call_function(tt_runtime.group_outputs, (cores, gates, fmt, row_modes, col_modes, rows, cols,
-                                                              p.split, p.left, p.right, site.output, dtype))
+        call = graph.call_function(tt_runtime.group_outputs, (
+            core_flats, gate_flats, meta.fmt, list(meta.row_modes), list(meta.col_modes), list(meta.ranks), meta.rows,
+            meta.cols, p.split, p.left, p.right, site.output, dtype))
         g.call = _with_fake(call)
         per = 2 if site.output in ("factors", "factors_t", "tables") else 1
         outs = fake(call)
@@ -306,8 +299,8 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
             new.meta.pop("example_value", None)
             new.meta.pop("val", None)
         elif site.output == "tables":
-            new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.meta()[5], site.meta()[6],
-                                                          site.padding_idx))
+            new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.meta().rows,
+                                                          site.meta().cols, site.padding_idx))
         else:
             t = graph.call_function(tt_runtime.project, (site.x, parts[0], dtype))
             new = graph.call_function(F.linear, (t, parts[1], _cast(graph, site.bias, dtype)))
@@ -339,12 +332,12 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, g
 
 
 def _detail(site: _Site, group: _Group) -> str:
-    _, _, fmt, _, _, rows, cols, _ = site.meta()
+    fmt, rows, cols = site.meta().fmt, site.meta().rows, site.meta().cols
     shape = f"{rows}x{cols}" if site.kind == "tt_embedding" else (
         f"{rows}->{cols}" if site.x_times_m else f"{cols}->{rows} (x @ Mᵀ)")
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
-    return f"{fmt} {shape}, {len(site.meta()[0])} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
+    return f"{fmt} {shape}, {len(site.meta().ranks) - 1} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
 
 
 def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
@@ -364,7 +357,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.skip(NAME, str(reason), module_name(node))
             continue
         sites.append(site)
-    groups = _groups(sites, order)
+    groups = _groups(sites, graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for g in groups:
         _emit_group(graph, g)
     home = {id(site): g for g in groups for site in g.sites}

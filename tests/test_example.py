@@ -87,6 +87,28 @@ def test_train_tensorized_comera(tmp_path):
     assert log["parameters"] < log["dense_parameters"]
 
 
+@pytest.mark.skipif(not hasattr(train_lm.cc, "param_groups"), reason="comera_compile.param_groups not available")
+def test_optimizer_groups_find_the_flat_tt_parameters_by_identity():
+    """Each layer's cores are one 1-D Parameter: the optimizer must find them by identity, not by shape
+    (the shape rule would put them with the undecayed vectors). --core-weight-decay reaches them, the
+    gates get none and 10x the lr, matrices --weight-decay; every parameter once."""
+    torch.manual_seed(0)
+    model = train_lm.GPT(256, 32, 64, 1, 2)
+    args = train_lm.parse_args(TINY + ["--d-model", "64", "--tensorize", "4", "--weight-decay", "0.05",
+                                       "--core-weight-decay", "0.02"])
+    train_lm.compress(model, args)
+    cores = {id(lay.param.core_flat) for lay in train_lm.cc.iter_tt_layers(model)}
+    gates = {id(lay.param.gate_flat) for lay in train_lm.cc.iter_tt_layers(model)}
+    assert cores and gates
+    opt = train_lm.make_optimizer(model, args, torch.device("cpu"))
+    seen = {id(p): (g["weight_decay"], g["lr"]) for g in opt.param_groups for p in g["params"]}
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    for name, p in model.named_parameters():
+        want = (0.02, args.lr) if id(p) in cores else (0.0, 10 * args.lr) if id(p) in gates else (
+            0.05 if p.dim() >= 2 else 0.0, args.lr)
+        assert seen[id(p)] == pytest.approx(want), name
+
+
 def test_corpus_is_deterministic_and_split_by_file():
     a = data.load_stdlib_corpus(max_bytes=1_000_000)
     b = data.load_stdlib_corpus(max_bytes=1_000_000)

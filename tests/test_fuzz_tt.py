@@ -104,7 +104,8 @@ def check_case(case: Case) -> None:
     idx = _indices(case, g)
     x0 = torch.randn(*case.index_shape, case.dims[0], generator=g)
     probe = torch.randn(*case.index_shape, case.dims[-1], generator=g)
-    tt_names = [n for n, _ in model.named_parameters() if ".cores." in n or ".gates." in n]
+    tt_names = [n for n, _ in model.named_parameters() if n.endswith((".core_flat", ".gate_flat"))]
+    assert len(tt_names) == 2 * len(list(cc.iter_tt_layers(model)))  # every layer's cores and gates
     bias_names = [n for n, _ in model.named_parameters() if n.endswith("bias")]
 
     torch._dynamo.reset()

@@ -38,9 +38,9 @@ def make_tiny():
 
 def expected_group(name: str, p: nn.Parameter) -> str:
     """The group from the parameter's name alone (independent of param_groups' own lookup)."""
-    if ".parametrizations.weight.0.cores." in name:
+    if name.endswith(".parametrizations.weight.0.core_flat"):
         return "tt_cores"
-    if ".parametrizations.weight.0.gates." in name:
+    if name.endswith(".parametrizations.weight.0.gate_flat"):
         return "tt_gates"
     return "decay" if p.dim() >= 2 else "no_decay"
 
@@ -55,7 +55,10 @@ def test_every_trainable_parameter_exactly_once_in_its_group():
     for group_name, p in placed:
         assert group_name == expected_group(*trainable[id(p)]), trainable[id(p)][0]
     assert sum(g["name"] == "tt_cores" for g in groups) == 1
-    assert len(next(g for g in groups if g["name"] == "tt_cores")["params"]) == 2 + 2 + 2  # tt 4 cores, ttm 2
+    # one flat Parameter per TT layer holds all its cores (tt: 4 cores, ttm: 2), one all its gates
+    tt_cores = next(g for g in groups if g["name"] == "tt_cores")["params"]
+    assert [p.numel() for p in tt_cores] == [sum(c.numel() for c in lay.cores) for lay in cc.iter_tt_layers(model)]
+    assert [len(lay.cores) for lay in cc.iter_tt_layers(model)] == [4, 2]
     assert not any(p is model.frozen.weight or p is model.frozen.bias for _, p in placed)
 
 

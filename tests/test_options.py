@@ -61,3 +61,28 @@ def test_unknown_pass_name():
     with pytest.raises(Exception, match="registered passes"):
         torch.compile(lambda x: x + 1, backend="comera",
                       options={"inner": "eager", "passes": {"no-such-pass": False}})(torch.ones(2))
+
+
+def test_cudagraphs_default_is_auto_and_modes_force_it():
+    assert CompileOptions().cudagraphs is None
+    assert CompileOptions.from_user({"cudagraphs": False}, mode="default").cudagraphs is False
+    assert CompileOptions.from_user({"cudagraphs": False}, mode="reduce-overhead").cudagraphs is True
+    assert CompileOptions.from_user(None, mode="max-autotune-no-cudagraphs").cudagraphs is False
+    with pytest.raises(OptionsError, match="cudagraphs"):
+        CompileOptions(cudagraphs="yes")
+
+
+def test_auto_cudagraphs_only_for_gpu_graphs_with_tensor_train_sites():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from comera_compile.backend import _tt_graph_on_gpu
+    from comera_compile.report import GraphReport, RewriteRecord
+
+    with FakeTensorMode():
+        on_gpu, on_cpu = [torch.empty(2, device="cuda")], [torch.empty(2)]
+    tt, cce = GraphReport(index=0), GraphReport(index=1)
+    tt.rewrites.append(RewriteRecord("tt_linear", "fc"))
+    cce.rewrites.append(RewriteRecord("cce", "head"))
+    assert _tt_graph_on_gpu(tt, on_gpu) is True
+    assert _tt_graph_on_gpu(tt, on_cpu) is False
+    assert _tt_graph_on_gpu(cce, on_gpu) is False

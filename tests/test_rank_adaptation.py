@@ -19,6 +19,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.rank_adaptation import RankAdaptation, size_coefficients
 from comera_compile.tensorize import tt_parametrization
+from test_tt_storage import slice_bonds, split_per_core
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +97,15 @@ def explicit_size(net, coeffs_of):
     return total
 
 
+def gate_grads_of(net, seed_from):
+    """d(``seed_from(net)``)/dg for every gate of every layer, one tensor per gate: the gates are
+    views of each layer's flat gate Parameter, so differentiate that and split it per gate."""
+    layers = list(cc.iter_tt_layers(net))
+    flats = [lay.param.gate_flat for lay in layers]
+    grads = torch.autograd.grad(seed_from(net), flats)
+    return [g for lay, flat in zip(layers, grads) for g in flat.split(lay.param.gate_sizes)]
+
+
 def applied_gate_grads(net, opt, ranker, loss_grads=None):
     """Run one optimizer step (lr 0) on zero gradients (or ``loss_grads`` on the gates) and return
     the gates' gradients the optimizer then sees."""
@@ -103,13 +113,17 @@ def applied_gate_grads(net, opt, ranker, loss_grads=None):
 
     def snapshot(optimizer, args, kwargs):
         for lay in cc.iter_tt_layers(net):
-            seen[lay.fqn] = [g.grad.clone() for g in lay.gates]
+            seen[lay.fqn] = [g.clone() for g in lay.param.grads()[1]]
 
     handle = opt.register_step_pre_hook(snapshot)  # runs after the ranker's pre-hook
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    for g, value in zip((g for lay in cc.iter_tt_layers(net) for g in lay.gates), loss_grads or []):
-        g.grad = value.clone()
+    values = iter(loss_grads or [])
+    for lay in cc.iter_tt_layers(net):
+        for g in lay.param.grads()[1]:
+            value = next(values, None)
+            if value is not None:
+                g.copy_(value)
     opt.step()
     handle.remove()
     return seen
@@ -134,8 +148,7 @@ def test_penalty_gradient_equals_autograd_of_explicit_objective(weight, scale):
         def coeffs_of(lay):
             return hand[lay.fqn]
     # The normalization W_0: the mean |dS/dg| over all gates, with the gates at 1 (as built).
-    ones = [g for lay in cc.iter_tt_layers(net) for g in lay.gates]
-    w_0 = torch.cat([d.abs() for d in torch.autograd.grad(explicit_size(net, coeffs_of), ones)]).mean().item()
+    w_0 = torch.cat([d.abs() for d in gate_grads_of(net, lambda n: explicit_size(n, coeffs_of))]).mean().item()
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.3, weight=weight, prune_every=0,
                             loss_from="observe", switch="manual", scale=scale)
@@ -145,8 +158,8 @@ def test_penalty_gradient_equals_autograd_of_explicit_objective(weight, scale):
     applied = applied_gate_grads(net, opt, ranker, loss_grads)
 
     unit = 1.0 if scale == "absolute" else torch.cat(loss_grads).abs().mean().item()
-    objective = 0.3 * unit * explicit_size(net, coeffs_of) / w_0
-    expected = [lg + d for lg, d in zip(loss_grads, torch.autograd.grad(objective, gates))]
+    penalty = gate_grads_of(net, lambda n: 0.3 * unit * explicit_size(n, coeffs_of) / w_0)
+    expected = [lg + d for lg, d in zip(loss_grads, penalty)]
     got = [g for lay in cc.iter_tt_layers(net) for g in applied[lay.fqn]]
     assert len(got) == len(expected) == 2 + 4 + 4
     for a, b in zip(got, expected):
@@ -203,6 +216,25 @@ def test_pruning_preserves_function_and_slices_cores():
     assert ranker.history == []  # prune() called directly records nothing; steps do
 
 
+def test_effective_params_is_the_size_after_pruning():
+    """The size the late stage steers by counts each bond at its gates >= threshold: the size the
+    model has once the others are pruned."""
+    net = make_net()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for lay in cc.iter_tt_layers(net):
+            for gate in lay.param.gates:
+                gate.copy_(torch.rand(gate.shape, generator=g))
+                gate[0] = 1.0  # every bond keeps a rank
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, threshold=0.5)
+    expected = ranker.effective_params()
+    assert expected < ranker.num_params()
+    assert ranker.prune()
+    assert ranker.num_params() == cc.compression_report(net).params == expected
+    assert ranker.effective_params() == expected
+
+
 def test_rank_multiple_rounds_up_with_the_largest_gates():
     net = make_net(rank=12)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -212,8 +244,9 @@ def test_rank_multiple_rounds_up_with_the_largest_gates():
         g = fc1.gates[1]  # 12 gates: 5 above the threshold -> 8 kept, the 8 largest
         g.copy_(torch.tensor([0.9, 0.01, 0.6, 0.2, 0.3, 0.8, 0.05, 0.7, 0.02, 0.1, 0.55, 0.4]))
     ranker.prune()
-    assert fc1.gates[1].tolist() == pytest.approx([0.9, 0.6, 0.2, 0.3, 0.8, 0.7, 0.55, 0.4])
-    assert fc1.cores[1].shape[-1] == 8 and fc1.cores[2].shape[0] == 8
+    # fc1.gates / fc1.cores are views taken before the pruning: the layer's param has the new ones
+    assert fc1.param.gates[1].tolist() == pytest.approx([0.9, 0.6, 0.2, 0.3, 0.8, 0.7, 0.55, 0.4])
+    assert fc1.param.cores[1].shape[-1] == 8 and fc1.param.cores[2].shape[0] == 8
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd_momentum"])
@@ -233,37 +266,42 @@ def test_optimizer_state_is_sliced_like_a_fresh_optimizer(kind):
         opt.zero_grad()
     kept = zero_some_gates(net)
 
-    # Reference: the pruned parameters sliced by hand, a fresh optimizer, its state sliced by hand.
+    # Reference: every core and gate, and every optimizer state tensor cut into per-core and
+    # per-gate pieces by the shapes alone, each piece sliced by hand, put into a copy of the model
+    # and a fresh optimizer.
     ref = copy.deepcopy(net)
     ref_opt = make_opt(ref.parameters())
     ref_params = dict(ref.named_parameters())
-    names = {id(p): n for n, p in net.named_parameters()}
-    slices = {}
+    for name, p in net.named_parameters():  # the dense parameters' state as it is
+        ref_opt.state[ref_params[name]] = {k: v.clone() for k, v in opt.state[p].items()}
     for (fqn, lay), ref_lay in zip(tt_layers(net).items(), tt_layers(ref).values()):
-        for k, keep in enumerate(kept[fqn]):
-            keep = torch.tensor(keep)
-            for p, dim in ((lay.cores[k], -1), (lay.gates[k], 0), (lay.cores[k + 1], 0)):
-                slices.setdefault(names[id(p)], []).append((dim, keep))
-    with torch.no_grad():
-        for name, p in ref_params.items():
-            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                     for k, v in opt.state[dict(net.named_parameters())[name]].items()}
-            new = p.data
-            for dim, keep in slices.get(name, []):
-                new = new.index_select(dim % new.dim(), keep)
-                for key, v in state.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        state[key] = v.index_select(dim % v.dim(), keep)
-            p.data = new.clone()
-            ref_opt.state[p] = state
-
+        param, ref_param = lay.param, ref_lay.param
+        shapes = (param.core_shapes, param.gate_sizes)
+        cores, gates = slice_bonds(*split_per_core(*shapes, param.core_flat, param.gate_flat), kept[fqn])
+        ref_param.assign_(cores, gates)
+        core_state, gate_state = opt.state[param.core_flat], opt.state[param.gate_flat]
+        assert core_state.keys() == gate_state.keys() and core_state
+        ref_core_state, ref_gate_state = {}, {}
+        for key in core_state:
+            c, g = core_state[key], gate_state[key]
+            if c.shape != param.core_flat.shape:  # Adam's step count
+                ref_core_state[key], ref_gate_state[key] = c.clone(), g.clone()
+                continue
+            cs, gs = slice_bonds(*split_per_core(*shapes, c, g), kept[fqn])
+            ref_core_state[key] = torch.cat([t.reshape(-1) for t in cs])
+            ref_gate_state[key] = torch.cat(gs)
+        ref_opt.state[ref_param.core_flat] = ref_core_state
+        ref_opt.state[ref_param.gate_flat] = ref_gate_state
     ids_before = [id(p) for g in opt.param_groups for p in g["params"]]
     ranker.prune()
     assert [id(p) for g in opt.param_groups for p in g["params"]] == ids_before
     for name, p in net.named_parameters():
         assert p.shape == ref_params[name].shape, name
+        assert torch.equal(p, ref_params[name]), name
+        assert opt.state[p].keys() == ref_opt.state[ref_params[name]].keys(), name
         for key, value in opt.state[p].items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            assert torch.equal(value, ref_opt.state[ref_params[name]][key]), (name, key)
+            if value.dim() > 0:
                 assert value.shape == p.shape, (name, key)
     for step in range(3, 5):  # both optimizers keep training the same way
         idx, target = batch(step)
@@ -291,6 +329,21 @@ def test_prune_with_a_live_previous_graph_and_pending_grads():
         opt.step()
         opt.zero_grad(set_to_none=False)
     assert any(g.numel() < 6 for lay in cc.iter_tt_layers(net) for g in lay.gates)
+
+
+def test_a_model_with_a_ranker_deep_copies_after_pruning():
+    """copy.deepcopy(model) (an evaluation or EMA copy) while the ranker's forward hook is on it."""
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=1, threshold=0.999, gamma=1.0)
+    idx, target = batch(0)
+    net(idx, target).backward()
+    opt.step()
+    assert ranker.prune_events == 1
+    twin = copy.deepcopy(net)
+    assert not {id(p) for p in twin.parameters()} & {id(p) for p in net.parameters()}
+    with torch.no_grad():
+        torch.testing.assert_close(twin(idx), net(idx), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------- rank 0
@@ -478,7 +531,7 @@ def test_compiled_model_recompiles_once_per_pruning_event():
             loss.backward()
             if step % 3 == 2:  # one gate to prune at each pruning step
                 with torch.no_grad():
-                    fc1.gates[1][0] = 0.0
+                    fc1.param.gates[1][0] = 0.0  # the current views (fc1.gates predate the pruning)
             opt.step()
             opt.zero_grad()
         assert ranker.prune_events == 5 and ranker.ranks()["fc1"][1] == 6 - 5
@@ -499,11 +552,19 @@ def test_comera_backend_follows_pruned_shapes():
     ranker.prune()
     out = compiled(idx)
     torch.testing.assert_close(out, net(idx), rtol=1e-5, atol=1e-6)
+    eager = copy.deepcopy(net)
+    eager(idx, target).backward()
+    opt.zero_grad()
     loss = compiled(idx, target)
     loss.backward()
-    for lay in cc.iter_tt_layers(net):
-        for p in list(lay.cores) + list(lay.gates):
+    for lay, eager_lay in zip(cc.iter_tt_layers(net), cc.iter_tt_layers(eager)):
+        for name in ("core_flat", "gate_flat"):
+            p, want = getattr(lay.param, name), getattr(eager_lay.param, name)
             assert p.grad.shape == p.shape
+            torch.testing.assert_close(p.grad, want.grad, rtol=1e-4, atol=1e-6)
+        core_grads, gate_grads = lay.param.grads()
+        assert [tuple(g.shape) for g in core_grads] == [tuple(c.shape) for c in lay.cores] == lay.param.core_shapes
+        assert [g.shape for g in gate_grads] == [g.shape for g in lay.gates]
     torch._dynamo.reset()
 
 

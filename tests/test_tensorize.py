@@ -64,8 +64,12 @@ def test_layers_keep_type_and_name_and_weight_is_the_op():
     assert isinstance(m.emb, nn.Embedding) and isinstance(m.fc1, nn.Linear)
     assert type(m.fc2) is nn.Linear and "weight" in m.fc2._parameters  # not selected: untouched
     names = dict(m.named_parameters())
-    assert "fc1.parametrizations.weight.0.cores.0" in names
-    assert "emb.parametrizations.weight.0.gates.0" in names
+    # two flat Parameters per layer: every core and every gate is a view of one of them
+    assert {n for n in names if ".parametrizations." in n} == {
+        f"{layer}.parametrizations.weight.0.{flat}" for layer in ("emb", "fc1") for flat in ("core_flat", "gate_flat")}
+    keys = m.state_dict().keys()  # the checkpoint still has one entry per core and gate
+    assert "fc1.parametrizations.weight.0.cores.0" in keys and "emb.parametrizations.weight.0.gates.0" in keys
+    assert not any("_flat" in k for k in keys)
     assert not any(n.endswith("original") for n in names)  # no dense weight kept
     assert not any(k.endswith("original") for k in m.state_dict())
     assert m.fc1.parametrizations.weight.original.numel() == 0
@@ -366,7 +370,7 @@ def test_tensorizing_again_refactors_the_layer():
     # init="svd": TT-SVD of the current weight to the new rank (capped ranks: exact).
     tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
     (second,) = list(iter_tt_layers(lin))
-    assert second.cores[0] is not first.cores[0]
+    assert second.param is not first.param
     assert max(second.spec.ranks) > 12
     torch.testing.assert_close(reference_weight(second.cores, second.gates, second.spec), w, rtol=1e-4, atol=1e-5)
     # A smaller rank: an approximation, with its error in the report.
@@ -422,8 +426,8 @@ def test_tied_share_makes_one_tt_read_by_rows_and_contracted_by_columns():
     torch.testing.assert_close(out.double(), x @ m.t(), rtol=1e-4, atol=1e-5)
     # Both uses train the same cores.
     (emb(idx).sum() + out.square().sum()).backward()
-    assert all(c.grad is not None for c in layer.cores)
-    assert len(list(model.parameters())) == len(layer.cores) + len(layer.gates)
+    assert layer.param.grads() is not None
+    assert list(model.parameters()) == [layer.param.core_flat, layer.param.gate_flat]
     report = compression_report(model)
     assert report.dense_params == 300 * 32 and report.params == layer.spec.num_params
     assert "shared with head" in str(report)
@@ -479,11 +483,11 @@ def test_state_dict_round_trip_same_ranks():
 def _prune(layer, bond, keep):
     """Slice bond ``bond`` (1-based, internal) of a TT layer to ``keep`` ranks, as rank
     adaptation does: same Parameter objects, smaller data."""
-    with torch.no_grad():
-        left, right, gate = layer.cores[bond - 1], layer.cores[bond], layer.gates[bond - 1]
-        left.data = left.data[..., :keep].contiguous()
-        right.data = right.data[:keep].contiguous()
-        gate.data = gate.data[:keep].contiguous()
+    cores, gates = layer.param.positions()
+    cores[bond - 1] = cores[bond - 1][..., :keep]
+    cores[bond] = cores[bond][:keep]
+    gates[bond - 1] = gates[bond - 1][:keep]
+    layer.param.relayout_(cores, gates)
 
 
 def test_state_dict_round_trip_changed_ranks(tmp_path):
@@ -492,7 +496,7 @@ def test_state_dict_round_trip_changed_ranks(tmp_path):
     _prune(layers["fc1"], 2, 3)
     _prune(layers["emb"], 1, 2)
     with torch.no_grad():
-        layers["fc1"].gates[0].mul_(0.5)
+        layers["fc1"].param.gates[0].mul_(0.5)  # layers["fc1"].gates are views from before the pruning
     idx = torch.randint(0, 101, (4, 6))
     want = a(idx)
     path = tmp_path / "pruned.pt"
@@ -527,8 +531,8 @@ def test_load_changed_ranks_while_an_old_graph_is_alive(tmp_path):
     b.load_state_dict(torch.load(path))
     b(idx).square().mean().backward()  # must accumulate into the new shapes
     for layer in iter_tt_layers(b):
-        for core in layer.cores:
-            assert core.grad is not None and core.grad.shape == core.shape
+        grads, _ = layer.param.grads()
+        assert [g.shape for g in grads] == [c.shape for c in layer.cores]
     del old_loss
 
 
@@ -565,7 +569,7 @@ def test_tensorized_model_trains_in_eager_mode():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
-    assert all(g.grad is not None for layer in iter_tt_layers(m) for g in layer.gates)
+    assert all(layer.param.gate_flat.grad is not None for layer in iter_tt_layers(m))
 
 
 def test_report_on_compiled_model_and_structured_fields():

@@ -111,9 +111,11 @@ def test_gradcheck(fmt, n_cores, transpose):
 def test_opcheck(fmt, transpose):
     """Schema, fake (shapes, strides), autograd registration, and AOT dispatch."""
     spec, cores, gates = _random_layer(fmt, 3, seed=5, transpose=transpose, dtype=torch.float32)
-    params = [t.requires_grad_() for t in cores + gates]
+    core_flat = torch.cat([c.reshape(-1) for c in cores]).requires_grad_()
+    gate_flat = torch.cat([g.reshape(-1) for g in gates]).requires_grad_()
     torch.library.opcheck(torch.ops.comera.tt_materialize.default,
-                          (params[:3], params[3:], *spec.op_args()))
+                          (core_flat, gate_flat, spec.fmt, list(spec.row_modes), list(spec.col_modes),
+                           list(spec.ranks), spec.rows, spec.cols, spec.transpose))
 
 
 def test_zero_rank_bond_gives_a_zero_weight():

@@ -43,12 +43,17 @@ def _indices(rows, shape, seed=0):
     return idx
 
 
+def _flats(cores, gates):
+    """One layer's cores and gates in flat storage, as comera::tt_materialize takes them."""
+    return [torch.cat([c.reshape(-1) for c in cores])], [torch.cat([g.reshape(-1) for g in gates])]
+
+
 def _lookup(case, split, idx, cores, gates, padding_idx=None):
     fmt, rm, cm, ranks, rows, cols = case
     left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
-    A, B = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, split, left, right, "tables",
-                                    cores[0].dtype)
+    A, B = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, ranks, rows, cols, split, left, right,
+                                    "tables", cores[0].dtype)
     return tt_runtime.lookup(idx, A, B, rows, cols, padding_idx)
 
 

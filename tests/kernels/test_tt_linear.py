@@ -55,6 +55,12 @@ def _strategies(fmt, rm, cm, ranks):
     return out
 
 
+def _flats(cores_per_layer, gates_per_layer):
+    """Each layer's cores and gates in flat storage, as comera::tt_materialize takes them."""
+    return ([torch.cat([c.reshape(-1) for c in cores]) for cores in cores_per_layer],
+            [torch.cat([g.reshape(-1) for g in gates]) for gates in gates_per_layer])
+
+
 def _apply(strategy, output, split, x, cores, gates, b, case, transposed=False):
     """y = x @ M (+ b), or x @ Mᵀ when ``transposed``, through ``group_outputs`` with a forced strategy."""
     fmt, rm, cm, ranks, rows, cols = case
@@ -62,7 +68,8 @@ def _apply(strategy, output, split, x, cores, gates, b, case, transposed=False):
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
     if transposed:
         output = {"factors": "factors_t", "dense_t": "dense"}[output]
-    parts = tt_runtime.group_outputs([cores], [gates], fmt, rm, cm, rows, cols, split, left, right, output, x.dtype)
+    parts = tt_runtime.group_outputs(*_flats([cores], [gates]), fmt, rm, cm, ranks, rows, cols, split, left, right,
+                                     output, x.dtype)
     if strategy == "factored":
         return F.linear(tt_runtime.project(x, parts[0], x.dtype), parts[1], b)
     return F.linear(x, parts[0], b)
@@ -114,14 +121,14 @@ def test_batched_group_equals_layer_by_layer():
     left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
     for output in ("factors", "factors_t", "dense", "dense_t", "tables"):
-        batched = tt_runtime.group_outputs([lv[:d] for lv in leaves], [lv[d:] for lv in leaves], fmt, rm, cm, rows,
-                                           cols, split, left, right, output, torch.float64)
+        batched = tt_runtime.group_outputs(*_flats([lv[:d] for lv in leaves], [lv[d:] for lv in leaves]), fmt, rm,
+                                           cm, ranks, rows, cols, split, left, right, output, torch.float64)
         per = len(batched) // 3
         weights = [torch.randn_like(t) for t in batched]
         grads = torch.autograd.grad(sum((t * w).sum() for t, w in zip(batched, weights)), [t for lv in leaves for t in lv])
         for k, lv in enumerate(leaves):
-            one = tt_runtime.group_outputs([lv[:d]], [lv[d:]], fmt, rm, cm, rows, cols, split, left, right, output,
-                                           torch.float64)
+            one = tt_runtime.group_outputs(*_flats([lv[:d]], [lv[d:]]), fmt, rm, cm, ranks, rows, cols, split, left,
+                                           right, output, torch.float64)
             for a, b in zip(one, batched[k * per:(k + 1) * per]):
                 torch.testing.assert_close(a, b)
             g_one = torch.autograd.grad(sum((t * w).sum() for t, w in zip(one, weights[k * per:(k + 1) * per])), lv)

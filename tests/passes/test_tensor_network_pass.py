@@ -105,14 +105,11 @@ def test_same_structure_layers_merge_in_one_batched_call():
 
 
 def test_layers_of_different_ranks_after_pruning_still_batch_correctly():
-    from comera_compile.tensorize import set_parameter_data_
-
     model = _tensorized(blocks=3, rank=6)
     layer = model.ups[1].parametrizations.weight[0]  # prune bond 1 of one layer to rank 3
-    with torch.no_grad():
-        set_parameter_data_(layer.cores[0], layer.cores[0][..., :3].clone())
-        set_parameter_data_(layer.cores[1], layer.cores[1][:3].clone())
-        set_parameter_data_(layer.gates[0], layer.gates[0][:3].clone())
+    cores, gates = layer.positions()
+    cores[0], cores[1], gates[0] = cores[0][..., :3], cores[1][:3], gates[0][:3]
+    layer.relayout_(cores, gates)
     report = _report(model, _idx(5))
     assert _calls(report, tt_runtime.group_outputs) == 4  # the pruned layer is its own group
     _check_same(model, copy.deepcopy(model), (_idx(5),))
@@ -264,3 +261,25 @@ def test_layers_reading_the_same_input_share_one_first_factor_gemm():
     assert _calls(report, tt_runtime.project) == 1  # x @ [F1_q | F1_k | F1_v]
     assert all("one GEMM with 2 other layer(s)" in r.detail for r in report.rewrites)
     _check_same(model, copy.deepcopy(model), (x,))
+
+
+def test_arguments_the_lowering_does_not_reproduce_are_left_alone_by_name():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 12)
+            self.fc = nn.Linear(12, 24, bias=False)
+
+        def forward(self, idx):
+            h = F.embedding(idx, self.emb.weight, scale_grad_by_freq=True)  # not reproduced by the lookup
+            return torch.matmul(self.fc.weight, h.transpose(-1, -2)).square().mean()  # TT weight first
+
+    torch.manual_seed(0)
+    model = Odd()
+    tensorize_(model, TTConfig(rank=3, min_size=0, fmt="tt"))
+    idx = torch.randint(0, 40, (3, 5))
+    report = _report(model, idx)
+    assert not [r for r in report.rewrites if r.kind.startswith("tt_")], str(report)
+    reasons = " | ".join(s.reason for s in report.skipped)
+    assert "scale_grad_by_freq=True" in reasons and "first operand" in reasons, reasons
+    _check_same(model, copy.deepcopy(model), (idx,))
