@@ -53,14 +53,15 @@ def test_fx_graph_cache_misses_when_our_code_changes(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "fx_graph_cache", True)
-    monkeypatch.setattr(config, "fx_graph_remote_cache", False)
-    miss, hit = _compile_counting_misses(monkeypatch, "code-v1")
-    assert miss == 1 and hit == 0
-    miss, hit = _compile_counting_misses(monkeypatch, "code-v1")
-    assert hit == 1, "same code: the cache serves the graph"
-    miss, hit = _compile_counting_misses(monkeypatch, "code-v2")
-    assert miss == 1 and hit == 0, "changed code: the cached graph must not be served"
+    # config.patch restores Inductor's config on exit (a monkeypatch of its attributes left it broken
+    # for every later Inductor compile in the session)
+    with config.patch({"fx_graph_cache": True, "fx_graph_remote_cache": False}):
+        miss, hit = _compile_counting_misses(monkeypatch, "code-v1")
+        assert miss == 1 and hit == 0
+        miss, hit = _compile_counting_misses(monkeypatch, "code-v1")
+        assert hit == 1, "same code: the cache serves the graph"
+        miss, hit = _compile_counting_misses(monkeypatch, "code-v2")
+        assert miss == 1 and hit == 0, "changed code: the cached graph must not be served"
 
 
 def test_cudagraphs_option_reaches_inductor(monkeypatch):
