@@ -317,12 +317,28 @@ class TTParametrization(nn.Module):
                     and key[len(prefix):].split(".")[0] in ("cores", "gates", "core_flat", "gate_flat"):
                 unexpected_keys.append(key)
         if len(saved["cores"]) == len(self.core_shapes) and len(saved["gates"]) == len(self.gate_sizes):
+            problem = _bond_mismatch(saved["cores"], saved["gates"], prefix)
+            if problem is not None:
+                error_msgs.append(problem)
+                return
             self.assign_([v.to(self.core_flat.dtype) for v in saved["cores"]],
                          [v.to(self.gate_flat.dtype) for v in saved["gates"]])
 
     def extra_repr(self) -> str:
         s = self.spec
         return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}"
+
+
+def _bond_mismatch(cores: list, gates: list, prefix: str) -> str | None:
+    """Why saved cores and gates do not form one chain (a bond's sizes differ), naming the keys."""
+    if cores[0].shape[0] != 1 or cores[-1].shape[-1] != 1:
+        return f"{prefix}cores.0 / cores.{len(cores) - 1}: the outer ranks must be 1"
+    for k, gate in enumerate(gates):
+        left, right = cores[k].shape[-1], cores[k + 1].shape[0]
+        if not left == gate.numel() == right:
+            return (f"bond {k + 1} does not line up: {prefix}cores.{k} ends with rank {left}, {prefix}gates.{k} "
+                    f"has {gate.numel()} entries, {prefix}cores.{k + 1} starts with rank {right}")
+    return None
 
 
 class TTLayer(NamedTuple):

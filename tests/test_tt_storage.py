@@ -322,3 +322,17 @@ def test_state_dict_has_one_entry_per_core_and_gate_and_loads_changed_ranks(tmp_
     result = make_net().load_state_dict(partial, strict=False)
     assert result.missing_keys == ["fc2.parametrizations.weight.0.gates.1"]
     assert result.unexpected_keys == ["fc2.parametrizations.weight.0.cores.3"]
+
+
+def test_a_checkpoint_whose_bonds_do_not_line_up_is_refused_by_name():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 20)
+    cc.tensorize_(lin, cc.TTConfig(rank=4, modes=((3, 4), (4, 5)), fmt="tt", min_size=0))
+    state = lin.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+    key = "parametrizations.weight.0.cores.1"
+    state[key] = state[key][..., :3].clone()  # core 1 ends with rank 3, gate 1 and core 2 still have 4
+    with pytest.raises(RuntimeError, match="bond 2 does not line up: .*cores.1 ends with rank 3"):
+        lin.load_state_dict(state)
+    for k, v in lin.state_dict().items():  # nothing was changed by the refused load
+        torch.testing.assert_close(v, before[k])
