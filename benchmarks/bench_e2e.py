@@ -10,11 +10,12 @@ Models:
 
 * ``encoder``: CoMERA's six-encoder MNLI transformer (d 768, FFN 3072, 12 heads, vocab 30522, 512
   positions, 2 token types; BERT-style embeddings, post-norm encoder, pooler + 3-class classifier on the
-  first token), batch 32 x 128. ``tt``: ``tensorize_(model, TTConfig(rank=30))``; ``ttm``: every Linear as a
+  first token), batch 32 x 128. ``tt``: CoMERA's layout at rank 30 (``fmt="tt"`` Linears, TT-matrix
+  embeddings: what ``tensorize_(model, TTConfig(rank=30))`` gave before ``"ttm"`` became the default); ``ttm``: every Linear as a
   TT-matrix at the rank that gives the same parameter count (embeddings as in ``tt``).
 * ``llama``: a Llama-style causal LM from a ``transformers`` config (d 1024, 8 layers, 16 heads,
   FFN 4096, vocab 128256), 8 x 1024 tokens, the user's shifted cross-entropy outside the HF model but
-  inside the compiled region. ``tt``: every Linear and the token embedding at rank 32.
+  inside the compiled region. ``tt``: every Linear (``fmt="tt"``) and the token embedding (TT-matrix) at rank 32.
 
 Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
 (inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
@@ -162,13 +163,14 @@ def _count(model: nn.Module) -> int:
 def tensorize(model: nn.Module, model_name: str, fmt: str) -> None:
     if model_name == "encoder":
         rank = 30 if fmt == "tt" else _iso_rank(model)
-        if fmt == "tt":
-            cc.tensorize_(model, cc.TTConfig(rank=30))
+        if fmt == "tt":  # CoMERA's split: "tt" Linears, TT-matrix embeddings
+            cc.tensorize_(model, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30, fmt="ttm"),
+                                  "_default": cc.TTConfig(rank=30, fmt="tt")})
         else:  # linears as TT-matrices at equal parameters; embeddings as "tt" r30 does them
-            cc.tensorize_(model, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30),
+            cc.tensorize_(model, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30, fmt="ttm"),
                                   "_default": cc.TTConfig(rank=rank, fmt="ttm")})
         return
-    cc.tensorize_(model, cc.TTConfig(rank=32))
+    cc.tensorize_(model, {"re:.*embed_tokens": cc.TTConfig(rank=32, fmt="ttm"), "_default": cc.TTConfig(rank=32, fmt="tt")})
 
 
 def _iso_rank(model: nn.Module) -> int:
@@ -176,12 +178,14 @@ def _iso_rank(model: nn.Module) -> int:
     import copy
 
     ref = copy.deepcopy(model).to("meta")
-    cc.tensorize_(ref, cc.TTConfig(rank=30))
+    cc.tensorize_(ref, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30, fmt="ttm"),
+                        "_default": cc.TTConfig(rank=30, fmt="tt")})
     target = _count(ref)
     best = None
     for r in range(4, 65, 2):
         m = copy.deepcopy(model).to("meta")
-        cc.tensorize_(m, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30), "_default": cc.TTConfig(rank=r, fmt="ttm")})
+        cc.tensorize_(m, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30, fmt="ttm"),
+                          "_default": cc.TTConfig(rank=r, fmt="ttm")})
         gap = abs(_count(m) - target)
         if best is None or gap < best[0]:
             best = (gap, r)

@@ -155,7 +155,7 @@ def test_gpt2_conv1d_is_tensorized_and_compresses():
     convs = [f for f, m in model.named_modules() if isinstance(m, Conv1D)]
     assert len(convs) == 4 and set(convs) <= set(layers)
     c_fc = layers["transformer.h.0.mlp.c_fc"]
-    assert isinstance(c_fc.module, Conv1D) and not c_fc.spec.transpose and c_fc.spec.fmt == "tt"
+    assert isinstance(c_fc.module, Conv1D) and not c_fc.spec.transpose and c_fc.spec.fmt == "ttm"
     assert (c_fc.spec.rows, c_fc.spec.cols) == (D, 4 * D) and c_fc.module.weight.shape == (D, 4 * D)
     report = cc.compression_report(model)
     assert report.ratio > 1.5

@@ -31,7 +31,7 @@ class Tiny(nn.Module):
 def make_tiny():
     torch.manual_seed(0)
     model = Tiny()
-    cc.tensorize_(model, {"fc": cc.TTConfig(rank=3, min_size=0, modes=((4, 4), (8, 8))),
+    cc.tensorize_(model, {"fc": cc.TTConfig(rank=3, min_size=0, modes=((4, 4), (8, 8)), fmt="tt"),
                           "out": cc.TTConfig(rank=3, fmt="ttm", min_size=0, modes=((8, 8), (4, 4)))})
     return model
 

@@ -54,8 +54,8 @@ def make_net(seed=0, rank=6):
     net = Net()
     cc.tensorize_(net, {
         "emb": cc.TTConfig(rank=rank, min_size=0, modes=((4, 4, 4), (2, 4, 4))),
-        "fc1": cc.TTConfig(rank=rank, min_size=0, modes=((4, 8), (4, 4, 6))),
-        "fc2": cc.TTConfig(rank=rank, min_size=0, modes=((6, 4, 4), (8, 4))),
+        "fc1": cc.TTConfig(rank=rank, min_size=0, modes=((4, 8), (4, 4, 6)), fmt="tt"),
+        "fc2": cc.TTConfig(rank=rank, min_size=0, modes=((6, 4, 4), (8, 4)), fmt="tt"),
     })
     return net
 

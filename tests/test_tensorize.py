@@ -49,7 +49,9 @@ def _tensorized_tiny(seed=0, rank=6, **kw):
     torch.manual_seed(seed)
     m = Tiny()
     m.dense_weights = [m.emb.weight, m.fc1.weight]  # references a user might still hold
-    tensorize_(m, TTConfig(rank=rank, min_size=0, **kw),
+    fmt = kw.pop("fmt", None)  # CoMERA's split by default: a TT-matrix embedding, a "tt" Linear
+    tensorize_(m, {"emb": TTConfig(rank=rank, min_size=0, fmt=fmt or "ttm", **kw),
+                   "fc1": TTConfig(rank=rank, min_size=0, fmt=fmt or "tt", **kw)},
                filter_fn=lambda mod, fqn: fqn in ("emb", "fc1"))
     return m
 
@@ -76,7 +78,7 @@ def test_layers_keep_type_and_name_and_weight_is_the_op():
     assert all(w.numel() == 0 for w in m.dense_weights)  # the dense storage was released
     layers = {layer.fqn: layer for layer in iter_tt_layers(m)}
     assert set(layers) == {"emb", "fc1"}
-    assert layers["emb"].spec.fmt == "ttm" and layers["fc1"].spec.fmt == "tt"  # fmt="auto"
+    assert layers["emb"].spec.fmt == "ttm" and layers["fc1"].spec.fmt == "tt"
     for layer in layers.values():
         assert all(torch.equal(g, torch.ones_like(g)) for g in layer.gates)  # gates start at 1
         assert len(layer.gates) == layer.spec.n_cores - 1
@@ -152,7 +154,7 @@ def test_padding_never_changes_outputs():
     want_lin, want_emb = lin(x), emb(idx)
     model = nn.ModuleDict(dict(lin=lin, emb=emb))
     tensorize_(model, {
-        "lin": TTConfig(rank=4, modes=((5, 8), (6, 5)), init="svd", min_size=0),
+        "lin": TTConfig(rank=4, modes=((5, 8), (6, 5)), init="svd", min_size=0, fmt="tt"),
         "emb": TTConfig(rank=4, modes=((7, 8), (2, 5)), init="svd", min_size=0),
     })
     report = compression_report(model)
@@ -190,7 +192,7 @@ def test_random_init_matches_dense_variance():
     for seed in range(32):
         torch.manual_seed(seed)
         model = nn.ModuleDict(dict(lin=nn.Linear(in_f, out_f), emb=nn.Embedding(300, 32)))
-        tensorize_(model, TTConfig(rank=8, min_size=0))
+        tensorize_(model, TTConfig(rank=8, min_size=0, fmt="tt"))
         second.append(model["lin"].weight.pow(2).mean().item())
         emb_rows.append(model["emb"].weight.detach())
     # CoMERA: std sqrt(1 / (in + out)) for linear layers.
@@ -218,7 +220,7 @@ def test_svd_init_from_pretrained_reports_error_and_respects_tolerance():
         lin.weight.copy_(w + 1e-5 * torch.randn_like(w))
     x = torch.randn(5, 96)
     want = lin(x)
-    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", svd_tol=1e-2,
+    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", svd_tol=1e-2, fmt="tt",
                              min_size=0))
     (layer,) = list(iter_tt_layers(lin))
     assert layer.spec.ranks == (1, 3, 4, 4, 4, 3, 1)  # the tolerance found the true ranks
@@ -229,7 +231,7 @@ def test_svd_init_from_pretrained_reports_error_and_respects_tolerance():
     lin2 = nn.Linear(96, 96)
     with torch.no_grad():
         lin2.weight.copy_(w)
-    tensorize_(lin2, TTConfig(rank=2, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    tensorize_(lin2, TTConfig(rank=2, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0, fmt="tt"))
     (row2,) = compression_report(lin2).layers
     assert row2.ranks == (1, 2, 2, 2, 2, 2, 1) and 0.01 < row2.init_error < 1
     assert "svd err" in str(compression_report(lin2))
@@ -311,8 +313,9 @@ def test_skipped_layers_carry_reasons():
 
 def test_invalid_rank_or_shape_raises_naming_the_layer():
     for cfg, match in [
-        (TTConfig(rank=[4, 4], min_size=0), r"layer 'fc1'.*valid: a positive int, or 3 positive ints"),
-        (TTConfig(rank=4, modes=((4, 4), (8, 10)), min_size=0), r"layer 'fc1'.*less than rows x cols = 48 x 80"),
+        (TTConfig(rank=[4, 4], min_size=0, fmt="tt"), r"layer 'fc1'.*valid: a positive int, or 3 positive ints"),
+        (TTConfig(rank=4, modes=((4, 4), (8, 10)), min_size=0, fmt="tt"),
+         r"layer 'fc1'.*less than rows x cols = 48 x 80"),
         (TTConfig(rank=4, fmt="ttm", modes=((6, 8), (80,)), min_size=0), r"layer 'fc1'.*as many row modes"),
         (TTConfig(rank=4, fmt="tt", n_cores=1, min_size=0), r"layer 'fc1'.*needs >= 2 cores"),
     ]:
@@ -364,17 +367,17 @@ def test_unselected_layers_are_listed_and_containers_are_not():
 def test_tensorizing_again_refactors_the_layer():
     torch.manual_seed(0)
     lin = nn.Linear(96, 96)
-    tensorize_(lin, TTConfig(rank=12, modes=((6, 4, 4), (4, 4, 6)), min_size=0))
+    tensorize_(lin, TTConfig(rank=12, modes=((6, 4, 4), (4, 4, 6)), min_size=0, fmt="tt"))
     (first,) = list(iter_tt_layers(lin))
     w = lin.weight.detach().double().clone()
     # init="svd": TT-SVD of the current weight to the new rank (capped ranks: exact).
-    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    tensorize_(lin, TTConfig(rank=30, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0, fmt="tt"))
     (second,) = list(iter_tt_layers(lin))
     assert second.param is not first.param
     assert max(second.spec.ranks) > 12
     torch.testing.assert_close(reference_weight(second.cores, second.gates, second.spec), w, rtol=1e-4, atol=1e-5)
     # A smaller rank: an approximation, with its error in the report.
-    tensorize_(lin, TTConfig(rank=3, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0))
+    tensorize_(lin, TTConfig(rank=3, modes=((6, 4, 4), (4, 4, 6)), init="svd", min_size=0, fmt="tt"))
     (third,) = list(iter_tt_layers(lin))
     assert max(third.spec.ranks) == 3
     (row,) = compression_report(lin).layers
@@ -453,7 +456,7 @@ def test_tied_share_refactors_and_untie_gives_each_its_own_tt():
     tensorize_(model, TTConfig(rank=4, init="svd", min_size=0), tied="untie")
     layers = {layer.fqn: layer for layer in iter_tt_layers(model)}
     assert set(layers) == {"emb", "head"} and layers["emb"].shared_with == ()
-    assert layers["emb"].spec.fmt == "ttm" and layers["head"].spec.fmt == "tt" and layers["head"].spec.transpose
+    assert layers["emb"].spec.fmt == "ttm" and layers["head"].spec.fmt == "ttm" and layers["head"].spec.transpose
     assert tt_param(model["emb"]) is not tt_param(model["head"])
     # A dense tie untied: two TT layers, the head in the Linear layout.
     model = _tied_pair()
@@ -636,8 +639,8 @@ def test_comera_six_encoder_parameter_counts():
     assert round(dense / 1e6, 2) == 66.96
     tensorize_(model, {
         "word": TTConfig(rank=32, modes=((16, 20, 10, 10), (4, 4, 8, 6))),
-        r"re:layers\.\d+\.(q|k|v|o|ff1|ff2)": TTConfig(rank=30),
-        "pooler": TTConfig(rank=30),
+        r"re:layers\.\d+\.(q|k|v|o|ff1|ff2)": TTConfig(rank=30, fmt="tt"),  # CoMERA's linear format
+        "pooler": TTConfig(rank=30, fmt="tt"),
     })
     report = compression_report(model)
     layers = {lay.fqn: lay for lay in report.layers}

@@ -34,8 +34,9 @@ class TinyLM(nn.Module):
 def _tensorized(seed=0, rank=5, blocks=1, **kw):
     torch.manual_seed(seed)
     model = TinyLM(blocks=blocks, **kw)
-    tensorize_(model, TTConfig(rank=rank, min_size=0), filter_fn=lambda m, fqn: fqn != "head" and isinstance(
-        m, (nn.Linear, nn.Embedding)))
+    tensorize_(model, {"emb": TTConfig(rank=rank, min_size=0, fmt="ttm"),  # the factored ("tt") Linear path
+                       "_default": TTConfig(rank=rank, min_size=0, fmt="tt")},
+               filter_fn=lambda m, fqn: fqn != "head" and isinstance(m, (nn.Linear, nn.Embedding)))
     return model
 
 
