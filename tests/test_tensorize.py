@@ -1,6 +1,7 @@
 """tensorize_ / densify_ / compression_report / iter_tt_layers (comera_compile/tensorize.py)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -691,3 +692,20 @@ def test_six_encoder_slice_runs_and_trains():
         opt.step()
     assert loss.item() < first
     assert isinstance(model.layers[0]["q"].parametrizations.weight[0], TTParametrization)
+
+
+def test_defaults_tt_matrix_everywhere_and_embeddings_keep_their_scale():
+    """The quality study's defaults: fmt='auto' makes a TT-matrix of every layer, and a tensorized
+    embedding starts at the std of the table it replaces (the model's own init)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(4096, 256), "small": nn.Embedding(4096, 256), "fc": nn.Linear(256, 512)})
+    with torch.no_grad():
+        model["small"].weight.normal_(0.0, 0.02)  # a GPT's embedding init
+    tensorize_(model, TTConfig(rank=16))
+    layers = {layer.fqn: layer for layer in iter_tt_layers(model)}
+    assert {lay.spec.fmt for lay in layers.values()} == {"ttm"}
+    for name, want in (("emb", 1.0), ("small", 0.02)):
+        got = float(model[name].weight.detach().std())
+        assert 0.7 * want < got < 1.4 * want, (name, got)
+    got = float(model["fc"].weight.detach().std())  # Linear: CoMERA's sqrt(1 / (in + out))
+    assert 0.7 * math.sqrt(1 / 768) < got < 1.4 * math.sqrt(1 / 768)
