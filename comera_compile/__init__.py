@@ -85,7 +85,7 @@ def _register_fallback() -> None:
     """Register the backend for source checkouts, where no entry point exists.
 
     An unconditional ``register_backend(name="comera")`` breaks the entry-point path with
-    ``AssertionError: duplicate name`` (ENGINEERING.md): register only when the name is unknown.
+    ``AssertionError: duplicate name``: register only when the name is unknown.
     """
     import torch._dynamo
     from torch._dynamo.backends.registry import register_backend

@@ -1,6 +1,6 @@
 """The package logger. ``COMERA_LOG=debug|info|warning`` switches a stderr handler on.
 
-``TORCH_LOGS`` rejects names it does not know (ENGINEERING.md), so we use plain ``logging``
+``TORCH_LOGS`` rejects names it does not know, so we use plain ``logging``
 under the ``comera_compile`` logger and an environment variable of our own.
 """
 

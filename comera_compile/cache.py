@@ -1,7 +1,7 @@
 """Cache safety: Inductor's on-disk caches must never serve a graph built by older code of ours.
 
 The AOTAutograd / FX graph caches key on the rewritten graph, not on our ops' Python fake,
-autograd or kernel code (ENGINEERING.md). A no-op ``CustomGraphPass`` whose ``uuid()`` hashes
+autograd or kernel code (after a change to a backward formula a warm cache served the old gradient). A no-op ``CustomGraphPass`` whose ``uuid()`` hashes
 this package's sources enters Inductor's cache key, so any change to them changes the key.
 """
 

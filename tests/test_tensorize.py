@@ -595,7 +595,7 @@ def test_report_on_compiled_model_and_structured_fields():
 
 
 # ----------------------------------------------------------------------------------------------
-# CoMERA's six-encoder transformer (ANCHORS.md section 3)
+# CoMERA's six-encoder transformer (the configuration of the paper's reference code)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -130,7 +130,7 @@ def test_zero_rank_bond_gives_a_zero_weight():
 
 
 def test_comera_parameter_counts():
-    """ANCHORS.md section 3: CoMERA's layouts and their parameter counts (cores only)."""
+    """CoMERA's reference layouts and their parameter counts (cores only)."""
     def counted(fmt, row_modes, col_modes, rank):
         sizes = tt.core_sizes(fmt, row_modes, col_modes)
         ranks = tt.cap_ranks(sizes, tt.normalize_ranks(rank, len(sizes)))
