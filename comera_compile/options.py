@@ -35,7 +35,9 @@ class CompileOptions:
             make a step launch-bound without CUDA graphs), off otherwise. ``True`` / ``False`` force it;
             ``mode="reduce-overhead"`` sets ``True``, ``mode="max-autotune-no-cudagraphs"`` ``False``.
             Under CUDA graphs an output is overwritten by the next call of the same graph: clone what
-            you keep across steps (``loss.item()`` or ``loss.detach().clone()``).
+            you keep across steps (``loss.item()`` or ``loss.detach().clone()``). ``.grad`` tensors are
+            allocated inside the captured backward too: set them to ``None`` before each step's first
+            backward (``zero_grad()``), or allocate them outside the graph to accumulate.
         max_autotune: Inductor's max-autotune (``mode="max-autotune"`` sets it).
         cce_backward: ``"filtered"`` skips vocabulary blocks whose softmax is below
             ``cce_filter_eps`` in the backward (Cut-Cross-Entropy); ``"exact"`` never skips.

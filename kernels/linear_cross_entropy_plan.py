@@ -310,9 +310,10 @@ def _allowed(costs: dict[str, float], dtype: torch.dtype, *, reduction: str, bac
     # entries a GradScaler would have kept underflow, so it is never the automatic choice there.
     if reduction == "none" or lse_grad or dtype == torch.float16:
         allowed.pop("chunked", None)
-    # Under CUDA graphs (Inductor's cudagraph trees) the chunked path's gradients, outputs of the
-    # forward graph that the backward scales in place, were reported overwritten on the H200
-    # (tests/test_gpu_cce.py, 2026-12-01): the captured step takes a recomputing path.
+    # Under CUDA graphs the chunked path's gradients would be outputs of the captured forward that the
+    # backward scales in place; that combination has not been run on a GPU under cudagraph trees (the
+    # one failure seen there came from a test accumulating .grad across captured steps, which torch
+    # refuses for any graph), so the captured step takes a recomputing path.
     if capture:
         allowed.pop("chunked", None)
     if backward != "filtered" or deterministic or capture:
