@@ -419,6 +419,25 @@ def _add_merges(c: _Costing, fmt, row_modes, col_modes, ranks, split, left, righ
             c.gemm("merge_backward", f"d{name}: merge bwd", k, n, m)
 
 
+def _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks,
+                          numel: int) -> tuple[_Costing, int]:
+    """The costing of a dense-weight candidate so far: the weight merged from its two halves at the best
+    split (forward) and the gradient taken back through that product (``dL``, ``dR``); the caller adds
+    what uses ``W``. Returns the costing and the split."""
+    b = _best_split(fmt, row_modes, col_modes, ranks)
+    sizes = _chain_sizes(fmt, row_modes, col_modes)
+    c = _Costing(model, dtype_bytes, cudagraphs)
+    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
+    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+    sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
+    c.gemm("merge", "W = L·R", sl, sr, ranks[b])
+    if fmt == "ttm":
+        c.copy("merge", "W: modes to rows x cols", 2 * dtype_bytes * numel)
+    c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
+    c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
+    return c, b
+
+
 def _best_split(fmt, row_modes, col_modes, ranks) -> int:
     """The bond that makes the dense weight cheapest: both halves' merges plus ``L·R``."""
     sizes = _chain_sizes(fmt, row_modes, col_modes)
@@ -453,7 +472,6 @@ def _einsum_flops(fmt, row_modes, col_modes, ranks, n: int) -> int:
 def _plan_linear_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagraphs, model) -> TTPlan:
     t0 = time.perf_counter()
     P, Q = math.prod(row_modes), math.prod(col_modes)
-    sizes = _chain_sizes(fmt, row_modes, col_modes)
     cands: dict[str, tuple[_Costing, int]] = {}
     if fmt == "tt":  # the low-rank bottleneck between the row and the column modes
         a = len(row_modes)
@@ -468,20 +486,12 @@ def _plan_linear_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagr
         c.gemm("backward", "dL = Xᵀ·dT", P, r, n)
         c.gemm("backward", "dR = Tᵀ·dY", r, Q, n)
         cands["factored"] = (c, a)
-    b = _best_split(fmt, row_modes, col_modes, ranks)
-    c = _Costing(model, dtype_bytes, cudagraphs)
-    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
-    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
-    sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
-    c.gemm("merge", "W = L·R", sl, sr, ranks[b])
+    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks, P * Q)
     if fmt == "ttm":
-        c.copy("merge", "W: modes to rows x cols", 2 * dtype_bytes * P * Q)
         c.copy("merge_backward", "dW: back to chain order", 2 * dtype_bytes * P * Q)
     c.gemm("forward", "Y = X·W", n, Q, P)
     c.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
     c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
-    c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
-    c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
     cands["dense"] = (c, b)
     best = min(cands, key=lambda k: cands[k][0].total)
     chosen, split = cands[best]
@@ -546,19 +556,9 @@ def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cud
         c.copy("backward", "scatter-add into dA, dB", 4 * (n * (ol + orr) * r * 2 + (il * ol + ir * orr) * r))
         if "tables" not in cands or c.total < cands["tables"][0].total:
             cands["tables"] = (c, b, shapes)
-    b = _best_split(fmt, row_modes, col_modes, ranks)
-    sizes = _chain_sizes(fmt, row_modes, col_modes)
-    c = _Costing(model, dtype_bytes, cudagraphs)
-    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
-    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
-    sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
-    c.gemm("merge", "W = L·R", sl, sr, ranks[b])
-    if fmt == "ttm":
-        c.copy("merge", "W: modes to rows x cols", 2 * e * P * Q)
+    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks, P * Q)
     c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
     c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
-    c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
-    c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
     cands["dense"] = (c, b, None)
     best = min(cands, key=lambda k: cands[k][0].total)
     chosen, split, shapes = cands[best]
