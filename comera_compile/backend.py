@@ -51,23 +51,16 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions
     logger.info("graph %d: %d rewrite(s), %d candidate(s) left alone; inner compiler %s",
                 index, n, len(report.skipped), opts.inner)
     if opts.cudagraphs is None:
-        opts = dataclasses.replace(opts, cudagraphs=_tt_graph_on_gpu(report, example_inputs))
+        opts = dataclasses.replace(opts, cudagraphs=ctx.cudagraphs())
+        if opts.cudagraphs:
+            logger.info("graph %d: CUDA graphs on for its %d tensor-train site(s) (options={'cudagraphs': "
+                        "False} turns them off)", index, ctx.tt_sites())
     report.cudagraphs = bool(opts.cudagraphs and _cuda_available())
     if collector is not None:
         report.after = _readable(gm)
         report.gm = gm
         collector.graph_reports.append(report)
     return compile_inner(gm, example_inputs, opts)
-
-
-def _tt_graph_on_gpu(report: GraphReport, example_inputs: list[Any]) -> bool:
-    """``cudagraphs=None``: CUDA graphs for a GPU graph with lowered tensor-train layers."""
-    sites = sum(r.kind in ("tt_linear", "tt_embedding") for r in report.rewrites)
-    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    if sites and on_gpu:
-        logger.info("graph %d: CUDA graphs on for its %d tensor-train site(s) (options={'cudagraphs': False} "
-                    "turns them off)", report.index, sites)
-    return bool(sites and on_gpu)
 
 
 def _cuda_available() -> bool:

@@ -41,6 +41,20 @@ class PassContext:
         self.report.rewrites.append(RewriteRecord(kind, module, detail, self.report.index))
         logger.info("rewrite [%s] %s: %s", kind, module, detail)
 
+    def tt_sites(self) -> int:
+        """Tensor-train layers lowered into this graph so far."""
+        return sum(r.kind in ("tt_linear", "tt_embedding") for r in self.report.rewrites)
+
+    def cudagraphs(self) -> bool:
+        """Whether the graph is meant to run under CUDA graphs: the ``cudagraphs`` option when set,
+        else (``None``) on for a GPU graph in which tensor-train layers were lowered (their many small
+        kernels make a step launch-bound without CUDA graphs). Passes after ``tensor_network`` see the
+        backend's final answer; the backend asks once all passes ran."""
+        if self.options.cudagraphs is not None:
+            return bool(self.options.cudagraphs)
+        on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in self.example_inputs)
+        return bool(on_gpu and self.tt_sites())
+
     def skip(self, kind: str, reason: str, module: str | None = None) -> None:
         """Record a candidate left alone, and why."""
         self.report.skipped.append(SkipRecord(kind, reason, module, self.report.index))

@@ -527,7 +527,6 @@ def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], r
     """``(I_L, O_L, r), (I_R, O_R, r)``: the row and column extents of the two halves at ``split``."""
     d = len(ranks) - 1
     if fmt == "tt":
-        a = len(row_modes)
         modes = [(m, 1) for m in row_modes] + [(1, n) for n in col_modes]
     else:
         modes = list(zip(row_modes, col_modes))

@@ -611,14 +611,6 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
     return loss
 
 
-def _captured(head: _Head, ctx: PassContext) -> bool:
-    """Whether the graph will run under CUDA graphs (forced, or the backend's default for a GPU graph in
-    which tensor_network lowered TT layers): the fused loss then takes a path without sparse rounds."""
-    if ctx.options.cudagraphs is not None:
-        return ctx.options.cudagraphs
-    return fake(head.proj.h).is_cuda and any(r.kind in ("tt_linear", "tt_embedding") for r in ctx.report.rewrites)
-
-
 def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | None) -> tuple[tuple, dict]:
     from comera_compile.planner import size_hint
 
@@ -627,7 +619,7 @@ def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | N
     opts = ctx.options
     return (n_tokens, size_hint(fh.shape[-1]), head.proj.vocab(), dtype), dict(
         reduction=head.reduction, backward=opts.cce_backward, deterministic=opts.cce_deterministic,
-        memory_budget=opts.cce_memory_budget, filter_eps=eps, capture=_captured(head, ctx))
+        memory_budget=opts.cce_memory_budget, filter_eps=eps, capture=ctx.cudagraphs())
 
 
 def _strategy(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float) -> str:

@@ -21,3 +21,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny models run several times faster than with two on a busy 2-core
+    machine. Modules of tiny-model tests use it with ``pytestmark = pytest.mark.usefixtures``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

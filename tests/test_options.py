@@ -75,7 +75,7 @@ def test_cudagraphs_default_is_auto_and_modes_force_it():
 def test_auto_cudagraphs_only_for_gpu_graphs_with_tensor_train_sites():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from comera_compile.backend import _tt_graph_on_gpu
+    from comera_compile.pass_manager import PassContext
     from comera_compile.report import GraphReport, RewriteRecord
 
     with FakeTensorMode():
@@ -83,6 +83,11 @@ def test_auto_cudagraphs_only_for_gpu_graphs_with_tensor_train_sites():
     tt, cce = GraphReport(index=0), GraphReport(index=1)
     tt.rewrites.append(RewriteRecord("tt_linear", "fc"))
     cce.rewrites.append(RewriteRecord("cce", "head"))
-    assert _tt_graph_on_gpu(tt, on_gpu) is True
-    assert _tt_graph_on_gpu(tt, on_cpu) is False
-    assert _tt_graph_on_gpu(cce, on_gpu) is False
+
+    def auto(report, inputs):
+        return PassContext(options=CompileOptions(), training=True, report=report,
+                           example_inputs=inputs).cudagraphs()
+
+    assert auto(tt, on_gpu) is True
+    assert auto(tt, on_cpu) is False
+    assert auto(cce, on_gpu) is False
