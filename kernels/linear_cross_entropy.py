@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .dispatch import use_triton
-from .linear_cross_entropy_paths import chunked, grad_coefs, recompute_backward, triton_forward
+from .linear_cross_entropy_paths import chunked, grad_coefs, recompute_backward, scale_, triton_forward
 from .linear_cross_entropy_plan import (
     BACKWARDS,
     REDUCTIONS,
@@ -262,13 +262,27 @@ def _backward(ctx, grad_loss, grad_lse, *unused):
         # The chunked forward formed the gradient for grad_output = 1: scale it in place (no second
         # [V, D] buffer). A second backward through the same graph then fails autograd's version
         # check instead of seeing scaled values.
-        return (dx_f.mul_(grad_loss) if need_dx else None, dw_f.mul_(grad_loss) if need_dw else None,
-                None, db_f.mul_(grad_loss) if need_db else None) + none
+        grads = [g for g, n in ((dx_f, need_dx), (dw_f, need_dw), (db_f, need_db)) if n]
+        _scale_op(grads, grad_loss, ctx.params[-1])
+        return (dx_f if need_dx else None, dw_f if need_dw else None, None, db_f if need_db else None) + none
     if grad_loss is None:
         grad_loss = lse.new_zeros(ctx.loss_shape)
     dx, dw, db = _lce_backward_op(grad_loss, grad_lse, x, weight, target, bias, lse, tz, *ctx.params,
                                   need_dx, need_dw, need_db, ctx.strategy, ctx.memory_budget)
     return (dx if need_dx else None, dw if need_dw else None, None, db if need_db else None) + none
+
+
+@torch.library.custom_op("comera::linear_cross_entropy_scale_", mutates_args=("grads",))
+def _scale_op(grads: list[torch.Tensor], scale: torch.Tensor, impl: str) -> None:
+    """grads[i] *= scale (the loss's 0-dim gradient) in place, in fp32 arithmetic: the chunked
+    forward formed the gradients for grad_output = 1."""
+    for g in grads:
+        scale_(g, scale, triton=use_triton(g, impl, op=OP))
+
+
+@_scale_op.register_fake
+def _scale_fake(grads, scale, impl):
+    return None
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)

@@ -15,7 +15,8 @@ In the tile kernels ``TCoef`` already includes ``softcap'`` at the target.
 * Recompute backward, small D: ``dx_fused_kernel`` / ``dw_fused_kernel`` own their output rows and
   recompute the tiles they need; the gradient never leaves the chip.
 * Gradient in the forward (``chunked``): ``logits_grad_rows_kernel`` turns a chunk of logits rows,
-  written by a library GEMM, into the loss and (in place) the gradient of those rows.
+  written by a library GEMM, into the loss and (in place) the gradient of those rows;
+  ``scale_kernel`` scales them by ``grad_output`` in the backward.
 
 Triton is optional: without it this module defines nothing and the op runs its torch reference.
 """
@@ -62,14 +63,35 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def x_block(X, rows, D, sxn, sxd, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """x[rows, :BLOCK_K] (zero past D): the whole reduction dimension when D <= BLOCK_K."""
+        offs_k = tl.arange(0, BLOCK_K)
+        ptrs = X + rows[:, None] * sxn + offs_k[None, :] * sxd
+        if EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=(offs_k < D)[None, :], other=0.0)
+
+    @triton.jit
+    def w_block_t(W, cols, D, swv, swd, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """W[cols, :BLOCK_K].T as a [BLOCK_K, BLOCK_N] tile (zero past D)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        ptrs = W + cols[None, :] * swv + offs_k[:, None] * swd
+        if EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=(offs_k < D)[:, None], other=0.0)
+
+    @triton.jit
     def lse_forward_kernel(
         X, W, Bias, T, M_out, S_out, TZ_out, ZS_out,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, vb_per_split, num_tb, splits,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+        ONE_K: tl.constexpr, HAS_TZ: tl.constexpr,
     ):
-        """Per (token block, vocabulary split): max, sum-exp, target logit and logit sum [splits, N]."""
+        """Per (token block, vocabulary split): max, sum-exp, target logit (HAS_TZ; else the host
+        computes it) and logit sum [splits, N]. ONE_K (D <= BLOCK_K): the x block is loaded once,
+        the loop over vocabulary blocks only streams W (and is software-pipelined)."""
         # Programs that run together share GROUP_M token blocks (x stays in L2) and a few
         # vocabulary splits (each W tile is read by GROUP_M programs at about the same time).
         pid = tl.program_id(0)
@@ -91,12 +113,18 @@ if HAS_TRITON:
         nvb = tl.cdiv(V, BLOCK_N)
         vb0 = pid_s * vb_per_split
         vb1 = tl.minimum(vb0 + vb_per_split, nvb)
+        if ONE_K:
+            xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
         for vb in range(vb0, vb1):
             offs_n = vb * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < V
             cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
-            z = logits_tile(X, W, rows, cols, D, sxn, sxd, swv, swd,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+            if ONE_K:
+                wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
+                z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
+            else:
+                z = logits_tile(X, W, rows, cols, D, sxn, sxd, swv, swd,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
             if HAS_BIAS:
                 z += tl.load(Bias + cols * sb).to(tl.float32)[None, :]
             if HAS_SOFTCAP:
@@ -107,13 +135,15 @@ if HAS_TRITON:
             e = tl.where(z == float("-inf"), 0.0, tl.exp(z - m_new[:, None]))
             s = s * alpha + tl.sum(e, 1)
             m = m_new
-            tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], z, 0.0), 1)
+            if HAS_TZ:
+                tz += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], z, 0.0), 1)
             if HAS_SMOOTH:
                 zs += tl.sum(tl.where(mask_n[None, :], z, 0.0), 1)
         out = pid_s.to(tl.int64) * N + offs_m
         tl.store(M_out + out, m, mask=mask_m)
         tl.store(S_out + out, s, mask=mask_m)
-        tl.store(TZ_out + out, tz, mask=mask_m)
+        if HAS_TZ:
+            tl.store(TZ_out + out, tz, mask=mask_m)
         if HAS_SMOOTH:
             tl.store(ZS_out + out, zs, mask=mask_m)
 
@@ -151,6 +181,15 @@ if HAS_TRITON:
             cols = pos_c.to(tl.int64)
         z = logits_tile(X, W, rows, cols, D, sxn, sxd, swv, swd,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
+        return grad_epilogue(z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
+                             HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
+
+    @triton.jit
+    def grad_epilogue(
+        z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+    ):
+        """(g, p) of ``grad_tile`` from the raw logits tile z = x[rows] @ W[cols].T."""
         if HAS_BIAS:
             z += tl.load(Bias + cols * sb).to(tl.float32)[None, :]
         if HAS_SOFTCAP:
@@ -380,9 +419,13 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+        ONE_K: tl.constexpr,
     ):
         """Partial dX of one (token block, vocabulary split, D chunk): sum over the split's vocabulary
-        blocks of (recomputed gradient tile) @ W[cols], into the fp32 DXP [splits, N, D]."""
+        blocks of (recomputed gradient tile) @ W[cols], into the fp32 DXP [splits, N, D].
+
+        ONE_K (D <= BLOCK_K == BLOCK_D, one D chunk): the x block is loaded once and each W tile once,
+        serving both the logits and the dX product; the loop streams W only."""
         tb = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_d = tl.program_id(2)
@@ -394,17 +437,28 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         vb0 = pid_s * vb_per_split
         vb1 = tl.minimum(vb0 + vb_per_split, tl.cdiv(V, BLOCK_N))
+        if ONE_K:
+            xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
         for vb in range(vb0, vb1):
-            g, p = grad_tile(X, W, Bias, TPos, LSE, PCoef, SCoef, tb, vb, 0,
-                             N, V, D, sxn, sxd, swv, swd, sb, softcap,
-                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                             HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, False)
             pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
-            g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
-            cols = tl.where(pos < V, pos, 0).to(tl.int64)
-            w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
-                        mask=(pos < V)[:, None] & mask_d[None, :], other=0.0)
-            acc = tl.dot(g.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
+            mask_n = pos < V
+            cols = tl.where(mask_n, pos, 0).to(tl.int64)
+            if ONE_K:
+                wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
+                z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
+                g, p = grad_epilogue(z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
+                                     HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
+                g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
+                acc = tl.dot(g.to(wt.dtype), tl.trans(wt), acc, input_precision=DOT_PRECISION)
+            else:
+                g, p = grad_tile(X, W, Bias, TPos, LSE, PCoef, SCoef, tb, vb, 0,
+                                 N, V, D, sxn, sxd, swv, swd, sb, softcap,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                                 HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, False)
+                g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
+                w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                acc = tl.dot(g.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
         out = (pid_s.to(tl.int64) * N + rows)[:, None] * D + offs_d[None, :]
         tl.store(DXP + out, acc, mask=mask_m[:, None] & mask_d[None, :])
 
@@ -415,10 +469,13 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
-        HAS_SMOOTH_VEC: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+        HAS_SMOOTH_VEC: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, ONE_K: tl.constexpr,
     ):
         """dW[vocabulary block, D chunk] over all token blocks from recomputed gradient tiles, written
-        once (no atomics), and the fp32 column sums of the gradient into DB [V] (for the bias)."""
+        once (no atomics), and the fp32 column sums of the gradient into DB [V] (for the bias).
+
+        ONE_K (D <= BLOCK_K == BLOCK_D, one D chunk): the W tile is loaded once and each x block once,
+        serving both the logits and the dW product; the loop streams x only."""
         vb = tl.program_id(0)
         pid_d = tl.program_id(1)
         pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -428,19 +485,30 @@ if HAS_TRITON:
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         bacc = tl.zeros((BLOCK_N,), tl.float32)
+        if ONE_K:
+            wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
         for tb in range(0, tl.cdiv(N, BLOCK_M)):
-            g, p = grad_tile(X, W, Bias, TPos, LSE, PCoef, SCoef, tb, vb, 0,
-                             N, V, D, sxn, sxd, swv, swd, sb, softcap,
-                             BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                             HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, False)
-            g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
-            if HAS_DW:
-                offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-                mask_m = offs_m < N
-                rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
-                xr = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
-                             mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-                acc = tl.dot(tl.trans(g.to(xr.dtype)), xr, acc, input_precision=DOT_PRECISION)
+            offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < N
+            rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+            if ONE_K:
+                xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
+                z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
+                g, p = grad_epilogue(z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
+                                     HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
+                g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
+                if HAS_DW:
+                    acc = tl.dot(tl.trans(g.to(xa.dtype)), xa, acc, input_precision=DOT_PRECISION)
+            else:
+                g, p = grad_tile(X, W, Bias, TPos, LSE, PCoef, SCoef, tb, vb, 0,
+                                 N, V, D, sxn, sxd, swv, swd, sb, softcap,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                                 HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, False)
+                g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
+                if HAS_DW:
+                    xr = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
+                                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+                    acc = tl.dot(tl.trans(g.to(xr.dtype)), xr, acc, input_precision=DOT_PRECISION)
             if HAS_DB:
                 bacc += tl.sum(g, 0)
         if HAS_DW:
@@ -512,3 +580,12 @@ if HAS_TRITON:
                 if HAS_SOFTCAP:
                     g = g * (1.0 - zc * zc)
                 tl.store(zrow + offs, g.to(Z.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def scale_kernel(X, S, n, BLOCK: tl.constexpr):
+        """X[:n] *= S[0] in fp32 arithmetic, in place (X contiguous)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        s = tl.load(S)
+        x = tl.load(X + offs, mask=mask)
+        tl.store(X + offs, (x.to(tl.float32) * s).to(X.dtype.element_ty), mask=mask)

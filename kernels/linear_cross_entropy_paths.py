@@ -27,9 +27,10 @@ if HAS_TRITON:
         grad_sparse_kernel,
         logits_grad_rows_kernel,
         lse_forward_kernel,
+        scale_kernel,
     )
 
-__all__ = ["GradCoefs", "chunked", "grad_coefs", "recompute_backward", "triton_forward"]
+__all__ = ["GradCoefs", "chunked", "grad_coefs", "recompute_backward", "scale_", "triton_forward"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -96,6 +97,7 @@ def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: flo
     V = weight.shape[0]
     BM, BN, BK = cfg.fwd_block_m, cfg.fwd_block_n, cfg.fwd_block_k
     num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
+    one_k = D <= BK
     sms = _num_sms(x.device)
     want = max(1, _cdiv(4 * sms, num_tb))
     step = sms // math.gcd(num_tb, sms)  # num_tb * splits a multiple of the SM count when possible
@@ -105,7 +107,7 @@ def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: flo
     f32 = dict(device=x.device, dtype=torch.float32)
     m_part = torch.empty((splits, N), **f32)
     s_part = torch.empty((splits, N), **f32)
-    tz_part = torch.empty((splits, N), **f32)
+    tz_part = torch.empty((splits, N), **f32) if not one_k else m_part
     smooth = label_smoothing > 0.0
     zs_part = torch.empty((splits, N), **f32) if smooth else m_part
     lse_forward_kernel[(num_tb * splits,)](
@@ -114,11 +116,29 @@ def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: flo
         bias.stride(0) if bias is not None else 0, float(softcap), vb_per_split, num_tb, splits,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.fwd_group_m, EVEN_K=D % BK == 0,
         DOT_PRECISION=dot_precision(x.dtype), HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=softcap > 0.0, HAS_SMOOTH=smooth,
+        HAS_SOFTCAP=softcap > 0.0, HAS_SMOOTH=smooth, ONE_K=one_k, HAS_TZ=not one_k,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     record(CCEStats(phase="forward", path="triton"))
-    return _combine_lse(m_part, s_part), tz_part.sum(0), zs_part.sum(0) if smooth else None
+    tz = _target_logits(x, weight, target, bias, softcap) if one_k else tz_part.sum(0)
+    return _combine_lse(m_part, s_part), tz, zs_part.sum(0) if smooth else None
+
+
+def _target_logits(x, weight, target, bias, softcap: float, chunk: int = 4096) -> torch.Tensor:
+    """fp32 softcapped logit of each row's target (0 where the target is not a vocabulary id),
+    from gathered weight rows: for small D cheaper than a compare and a row sum on every tile."""
+    N, V = x.shape[0], weight.shape[0]
+    ok = (target >= 0) & (target < V)
+    ts = torch.where(ok, target, torch.zeros_like(target))
+    tz = torch.empty((N,), device=x.device, dtype=torch.float32)
+    for i in range(0, N, chunk):
+        j = min(i + chunk, N)
+        tz[i:j] = (x[i:j].float() * weight[ts[i:j]].float()).sum(1)
+    if bias is not None:
+        tz += bias[ts].float()
+    if softcap > 0.0:
+        tz = softcap * torch.tanh(tz / softcap)
+    return torch.where(ok, tz, torch.zeros_like(tz))
 
 
 def _combine_lse(m_part: torch.Tensor, s_part: torch.Tensor) -> torch.Tensor:
@@ -132,14 +152,29 @@ def _combine_lse(m_part: torch.Tensor, s_part: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc fp32 and a, b possibly half precision, without a half partial."""
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """acc += a @ b (acc = a @ b when ``first``: acc may hold garbage) with acc fp32 and a, b
+    possibly half precision, without a half partial."""
+    beta = 0.0 if first else 1.0
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, beta=beta, out=acc)
+    elif first:
+        acc.copy_(torch.mm(a, b))
     else:
         acc += torch.mm(a, b).to(acc.dtype)
+
+
+def scale_(t: torch.Tensor, scale: torch.Tensor, *, triton: bool) -> None:
+    """t *= scale (a one-element fp32 tensor) in fp32 arithmetic, in place, without a host sync.
+    With ``triton`` (and t contiguous) one vectorized kernel; torch's ``mul_`` of a half tensor by
+    an fp32 tensor takes its casting elementwise kernel, ~4x slower on the H200."""
+    if not (triton and t.is_contiguous()) or t.numel() == 0:
+        t.mul_(scale)
+        return
+    block = 4096
+    scale_kernel[(_cdiv(t.numel(), block),)](t, scale.reshape(1).float(), t.numel(), BLOCK=block, num_warps=8)
 
 
 def _rows_torch(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_smoothing):
@@ -193,7 +228,9 @@ def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float,
     nll, lse, tz = (torch.empty((N,), **f32) for _ in range(3))
     grads = coefs is not None
     dx = torch.empty((N, D), device=x.device, dtype=x.dtype) if grads and need_dx else None
-    dw_acc = (torch.zeros((V, D), device=x.device, dtype=torch.float32 if fp32_acc else cdt)
+    # dW is written by the first chunk's GEMM (beta = 0: no zero fill of a [V, D] buffer)
+    dw_acc = ((torch.empty if N > 0 else torch.zeros)((V, D), device=x.device,
+                                                      dtype=torch.float32 if fp32_acc else cdt)
               if grads and need_dw else None)
     db_acc = torch.zeros((V,), **f32) if grads and need_db else None
     zbuf = torch.empty((min(rows, N), V), device=x.device, dtype=cdt)
@@ -218,7 +255,7 @@ def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float,
             else:
                 dx[i:j] = torch.mm(z, w)
         if dw_acc is not None:
-            addmm_f32_(dw_acc, z.t(), xc)
+            addmm_f32_(dw_acc, z.t(), xc, first=i == 0)
         if db_acc is not None:
             db_acc += z.sum(0, dtype=torch.float32)
     record(CCEStats(phase=phase, path="chunked" if triton else "torch", chunks=_cdiv(N, rows)))
@@ -491,11 +528,15 @@ def _fused(bw: _Backward) -> None:
     BM, BN = cfg.fused_block_m, cfg.fused_block_n
     BD = min(_pow2(D), _pow2(cfg.fused_max_d))
     num_tb, nvb, nd = _cdiv(N, BM), _cdiv(V, BN), _cdiv(D, BD)
-    tiles = bw.tile_args(BM, cfg.bwd_block_k, cfg.fused_warps, 1)
+    # One D chunk: the logits take one K step of BD, and each loaded tile serves both products.
+    one_k = nd == 1
+    tiles = bw.tile_args(BM, BD if one_k else cfg.bwd_block_k, cfg.fused_warps, cfg.fused_stages)
+    tiles["ONE_K"] = one_k
     bias_arg = bw.bias if bw.bias is not None else x
     common = (x, weight, bias_arg, bw.lse, bw.pcoef, bw.scoef, bw.tpos, bw.tcoef)
     if bw.need_dx:
-        splits = max(1, min(nvb, _cdiv(2 * _num_sms(x.device), num_tb * nd)))
+        # enough (token block, vocabulary split) programs for ``fused_dx_waves`` per SM
+        splits = max(1, min(nvb, _cdiv(cfg.fused_dx_waves * _num_sms(x.device), num_tb * nd)))
         per_split = _cdiv(nvb, splits)
         splits = _cdiv(nvb, per_split)
         part = torch.empty((splits, N, D), device=x.device, dtype=torch.float32)

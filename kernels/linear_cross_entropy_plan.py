@@ -77,6 +77,8 @@ class CCETuning:
     fwd_warps: int = 8
     fwd_stages: int = 3
     fwd_group_m: int = 16
+    fwd_small_d_block_n: int = 128
+    fwd_small_d_warps: int = 4
     bwd_block_m: int = 128
     bwd_block_n: int = 128
     bwd_block_k: int = 64
@@ -92,10 +94,12 @@ class CCETuning:
     dense_block_n: int = 256
     dense_after_rounds: int = 4
     dense_density: float = 0.3
-    fused_block_m: int = 64
+    fused_block_m: int = 128
     fused_block_n: int = 64
     fused_max_d: int = 128
-    fused_warps: int = 4
+    fused_warps: int = 8
+    fused_stages: int = 3
+    fused_dx_waves: int = 8
     rows_block_v: int = 4096
     rows_warps: int = 8
 
@@ -110,6 +114,12 @@ class CCETuning:
         k = max(16, 1 << max(0, hidden - 1).bit_length())
         cfg = dataclasses.replace(self, fwd_block_k=min(self.fwd_block_k, k),
                                   bwd_block_k=min(self.bwd_block_k, k))
+        if hidden <= cfg.fwd_block_k:
+            # One K step: the forward loop is bound by the softmax, not the product, and takes its
+            # own tile width and warp count (H200, D = 32: 128 x 128 with 4 warps beats 128 x 256
+            # with 8 by ~20 %).
+            cfg = dataclasses.replace(cfg, fwd_block_n=min(cfg.fwd_block_n, cfg.fwd_small_d_block_n),
+                                      fwd_warps=cfg.fwd_small_d_warps)
         if not on_gpu or torch.finfo(dtype).bits <= 16:
             return cfg
         return dataclasses.replace(
@@ -119,6 +129,7 @@ class CCETuning:
             bwd_block_k=min(cfg.bwd_block_k, 32), bwd_stages=min(cfg.bwd_stages, 2),
             cons_block_d=min(cfg.cons_block_d, 64), cons_stages=min(cfg.cons_stages, 2),
             dense_block_n=min(cfg.dense_block_n, 128), fused_block_m=min(cfg.fused_block_m, 32),
+            fused_stages=min(cfg.fused_stages, 2),
             fused_block_n=min(cfg.fused_block_n, 32))
 
 
@@ -237,11 +248,13 @@ class DeviceRates:
     """Throughputs the cost model assumes. The defaults are an H200 in bf16 (BENCHMARKS.md,
     section 1): library GEMMs sustain ~690 TFLOP/s at LM-head shapes (790 peak; the figure that
     reproduces the measured torch.compile times), this op's Triton logits tiles ~560 TFLOP/s,
-    HBM 4.3 TB/s."""
+    HBM 4.3 TB/s. ``softmax_elems``: logits entries per second of one pass of the tile kernels
+    when the product is cheap (small D): the fused path's three passes took 4.5 ms at
+    (N, D, V) = (8192, 32, 128256)."""
 
     gemm_flops: float = 690e12
     tile_flops: float = 560e12
-    softmax_elems: float = 2.5e12  # softmax entries per second in a tile kernel (exp + bookkeeping)
+    softmax_elems: float = 0.71e12
     bandwidth: float = 4.3e12
     launch_s: float = 5e-6
     sync_s: float = 50e-6
@@ -287,7 +300,8 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
     out["chunked"] = 3 * F / rates.gemm_flops + 3 * L / bw + rmw + (5 * chunks + 10) * launch
     width = max(tun.dense_block_n, min(tun.dense_budget_bytes, budget) // max(1, N * elem))
     vchunks = math.ceil(V / width)
-    out["static"] = (2 * tile_pass + 2 * F / rates.gemm_flops + L / bw
+    # static: the gradient of each vocabulary chunk is written once and read by the dX and dW GEMMs
+    out["static"] = (2 * tile_pass + 2 * F / rates.gemm_flops + 3 * L / bw
                      + vchunks * (2 * N * D * 4 / bw + 4 * launch) + 10 * launch)
     out["fused"] = (1 + 2 * math.ceil(D / tun.fused_max_d)) * tile_pass + 10 * launch
     if backward == "filtered":

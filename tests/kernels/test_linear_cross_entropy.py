@@ -468,7 +468,9 @@ def test_cost_rule():
     assert fused_loss_pays(8192, 32, 128256, bf16, "cuda") == (True, "")
     assert choose_strategy(8192, 2304, 256000, bf16) == "sparse"  # filtering skips most tiles
     assert choose_strategy(8192, 4096, 128256, bf16) == "chunked"  # flat logits keep half the tiles
-    assert choose_strategy(8192, 32, 128256, bf16) == "fused"
+    # rank-32 head: chunked 3.8 ms vs fused 4.5 ms on the H200; under capture (no chunked) fused
+    assert choose_strategy(8192, 32, 128256, bf16) == "chunked"
+    assert choose_strategy(8192, 32, 128256, bf16, capture=True) == "fused"
     assert choose_strategy(8192, 2304, 256000, bf16, capture=True) != "sparse"
     assert choose_strategy(8192, 4096, 128256, bf16, capture=True) not in ("sparse", "chunked")
     assert choose_strategy(8192, 4096, 128256, bf16, reduction="none") != "chunked"
@@ -483,3 +485,14 @@ def test_memory_budget_option():
     for bad in (-1, 1.5, True):
         with pytest.raises(OptionsError, match="cce_memory_budget"):
             CompileOptions(cce_memory_budget=bad)
+
+
+@pytest.mark.parametrize("max_d", [16, 128])
+@pytest.mark.parametrize("kw", [dict(), dict(softcap=4.0, label_smoothing=0.1)])
+def test_fused_path_in_one_or_several_hidden_chunks(max_d, kw):
+    """D = 31: one chunk (each loaded tile serves the logits and the product) or two chunks of 16
+    columns (each recomputing the logits) give the same float64-accurate loss and gradients."""
+    x, w, b, t = _inputs()
+    with cce_tuning(fused_max_d=max_d, fused_block_m=16, fused_block_n=32), record_cce_stats() as stats:
+        _check("triton", x, w, b, t, 1e-5, strategy="fused", **kw)
+    assert [s.path for s in stats] == ["triton", "fused"], stats
