@@ -14,6 +14,7 @@ from typing import Any, Mapping
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CCE_BACKWARD = ("filtered", "exact")
+CCE_STRATEGIES = ("auto", "chunked", "sparse", "static", "fused")
 
 
 class OptionsError(ValueError):
@@ -49,6 +50,12 @@ class CompileOptions:
         cce_memory_budget: bytes of working memory the fused loss may use beyond its inputs and
             gradients; ``None`` (default): 1/16 of the fp32 logits it replaces, at least 64 MiB.
             More memory buys larger chunks (faster); the path is chosen within the budget.
+        cce_strategy: the fused loss's path. ``"auto"`` (default): the fastest by the op's cost
+            model within the budget; ``"chunked"`` (gradient formed in the forward, exact),
+            ``"sparse"`` (filtered rounds; exact with ``cce_backward="exact"``), ``"static"``
+            (exact recompute) or ``"fused"`` (small hidden sizes) pin one. A pinned path that
+            cannot run in a call (``"sparse"`` under CUDA graphs, ``"chunked"`` with
+            ``reduction="none"``) falls back to an exact recompute path.
         inductor_config: extra Inductor config patches, passed through unchanged.
     """
 
@@ -62,11 +69,13 @@ class CompileOptions:
     cce_deterministic: bool = False
     cce_min_vocab: int | None = None
     cce_memory_budget: int | None = None
+    cce_strategy: str = "auto"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("cce_backward", self.cce_backward, CCE_BACKWARD)
+        _check_choice("cce_strategy", self.cce_strategy, CCE_STRATEGIES)
         for name in ("strict", "max_autotune", "cce_deterministic"):
             _check_type(name, getattr(self, name), bool, "a bool")
         if self.cudagraphs is not None:

@@ -623,9 +623,12 @@ def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | N
 
 
 def _strategy(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float) -> str:
-    """The op's path for this head in training, by its cost model; inference lets the op decide."""
+    """The op's path for this head: the user's ``cce_strategy`` when pinned; else, in training,
+    by the op's cost model; inference lets the op decide."""
     from comera_compile.kernels.linear_cross_entropy import choose_strategy
 
+    if ctx.options.cce_strategy != "auto":
+        return ctx.options.cce_strategy
     if not ctx.training or not isinstance(head.proj.vocab(), int):
         return "auto"
     args, kwargs = _cost_args(head, ctx, dtype, eps)

@@ -187,6 +187,36 @@ def test_exact_backward_option_reaches_the_op():
     assert "'exact'" in report.graphs[0].code
 
 
+@pytest.mark.parametrize("strategy", ["sparse", "static", "fused", "chunked"])
+def test_pinned_strategy_reaches_the_op_and_matches_eager(strategy):
+    """``cce_strategy`` pins the op's path (shown in explain); the compiled loss and gradients
+    still match eager whichever path runs."""
+    x, y = _inputs(7)
+    report = cc.explain(Head("linear_mean"), x, y,
+                        options={"inner": "eager", "cce_strategy": strategy, "cce_min_vocab": 0})
+    assert f"'{strategy}'" in report.graphs[0].code and f"path={strategy}" in str(report), str(report)
+    torch.manual_seed(0)
+    model = Head("linear_mean")
+    ref = copy.deepcopy(model)
+    ref_out, ref_grads = _run(ref, x, y)
+    compiled = torch.compile(model, backend="comera",
+                             options={"inner": "aot_eager", "cce_strategy": strategy, "cce_min_vocab": 0})
+    out, _ = _run(compiled, x, y)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_bad_strategy_option_names_the_choices():
+    from comera_compile.options import OptionsError
+
+    with pytest.raises(OptionsError, match="cce_strategy.*'auto', 'chunked', 'sparse', 'static', 'fused'"):
+        cc.CompileOptions(cce_strategy="fastest")
+
+
 # --- issue 10: rewrites that are never wrong ------------------------------------------------------
 
 def _against_eager(fn, B=2, T=5, hidden=8, vocab=V, options=None):
