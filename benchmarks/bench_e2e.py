@@ -22,7 +22,8 @@ Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``,
 ``tt`` (``backend="comera"`` as it comes: CUDA graphs on for the TT graph), ``tt-nocg`` (CUDA graphs
 off), ``tt-fp32``, ``ttm``, ``ttm-nocg``. bf16 autocast unless the name says fp32. Tags ``-cg`` /
 ``-nocg`` force CUDA graphs on / off, ``-cpp`` / ``-combo`` add Inductor's ``cpp_wrapper`` /
-``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``).
+``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``), ``-cce`` fuses the head's loss
+whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
@@ -249,6 +250,8 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             options["inductor_config"] = inductor
         if cg or nocg:
             options["cudagraphs"] = cg
+        if "cce" in tags:  # the head's loss fused whatever the cost rule says
+            options["cce_min_vocab"] = 0
         fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
@@ -432,9 +435,9 @@ def main(argv=None) -> list[dict]:
     for _, v in jobs:
         base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
-        if base is None or tags - {"cg", "nocg", "fp32", "cpp", "combo"}:
+        if base is None or tags - {"cg", "nocg", "fp32", "cpp", "combo", "cce"}:
             ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt or ttm, "
-                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo")
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:

@@ -124,6 +124,11 @@ CONFIGS: dict[str, Config] = {
                               ("--compile-options", '{"cce_min_vocab": 0, "cce_backward": "exact"}')),
     "dense-cce-filtered": Config("dense, the head's loss fused (cce_min_vocab=0), filtered gradient",
                                  ("--compile-options", '{"cce_min_vocab": 0, "cce_backward": "filtered"}')),
+    # at this shape the cost model picks the exact chunked path even when filtering is allowed: pin
+    # the sparse (filtered) path so that filtering actually runs
+    "dense-cce-sparse": Config("dense, the head's loss fused on the sparse path: filtered gradient",
+                               ("--compile-options",
+                                '{"cce_min_vocab": 0, "cce_backward": "filtered", "cce_strategy": "sparse"}')),
     # optimizer settings of the TT cores and gates (param_groups' defaults: gates at 10x lr, no core decay)
     "ttm-r32-gate1x": Config("ttm-r32 with the gates at the cores' lr", ("--tensorize", "32", "--gate-lr-scale", "1")
                              + TTM),

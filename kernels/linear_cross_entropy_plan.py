@@ -279,9 +279,11 @@ def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
 def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                      backward: str = "filtered", memory_budget: Optional[int] = None,
                      filter_eps: Optional[float] = None, rates: DeviceRates = H200,
-                     training: bool = True) -> dict[str, float]:
+                     training: bool = True, upcast: bool = False) -> dict[str, float]:
     """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
-    unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``)."""
+    unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``). ``upcast``: the
+    unfused loss casts half-precision logits to fp32 first (``logits.float()``), which costs
+    Inductor fp32 logits traffic (counted as two more passes over the half logits)."""
     N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
     budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
@@ -293,7 +295,8 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
     if not training:
         return {"unfused": F / rates.gemm_flops + 2 * L / bw + 3 * launch,
                 "static": tile_pass + 4 * launch}
-    out = {"unfused": 3 * F / rates.gemm_flops + 4 * L / bw + 6 * launch}
+    extra = 2 * L / bw if upcast and elem < 4 else 0.0
+    out = {"unfused": 3 * F / rates.gemm_flops + 4 * L / bw + extra + 6 * launch}
     rows, fp32_acc = chunk_plan(N, D, V, elem, budget, True)
     chunks = math.ceil(N / rows)
     rmw = (chunks - 1) * 2 * V * D * (4 if fp32_acc else elem) / bw
@@ -356,7 +359,8 @@ def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
                     *, reduction: str = "mean", backward: str = "filtered",
                     deterministic: bool = False, memory_budget: Optional[int] = None,
                     filter_eps: Optional[float] = None, capture: bool = False,
-                    training: bool = True, rates: DeviceRates = H200) -> tuple[bool, str]:
+                    training: bool = True, upcast: bool = False,
+                    rates: DeviceRates = H200) -> tuple[bool, str]:
     """Whether the fused loss is not expected to make the step slower than the unfused
     ``linear`` + ``cross_entropy`` under Inductor; ``(False, reason)`` when it is.
 
@@ -367,12 +371,13 @@ def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
     del device_type  # one rule for every device: the one the GPU run measured
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
                              memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
-                             training=training)
+                             training=training, upcast=upcast)
     allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
                        capture=capture, lse_grad=False)
     best = min(allowed, key=allowed.get)
     if allowed[best] <= costs["unfused"]:
         return True, ""
     return False, (f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
-                   f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy under Inductor "
+                   f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy"
+                   f"{' (fp32 upcast)' if upcast else ''} under Inductor "
                    f"(N={n_tokens}, D={hidden}, V={vocab}, {str(dtype).replace('torch.', '')})")

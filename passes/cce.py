@@ -646,7 +646,8 @@ def _pays(head: _Head, ctx: PassContext) -> str | None:
     if threshold is not None:
         return None if vocab >= threshold else f"vocabulary {vocab} < cce_min_vocab={threshold}"
     args, kwargs = _cost_args(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)
-    ok, reason = fused_loss_pays(*args, fake(head.proj.h).device.type, training=ctx.training, **kwargs)
+    ok, reason = fused_loss_pays(*args, fake(head.proj.h).device.type, training=ctx.training,
+                                 upcast=head.values.upcast, **kwargs)
     return None if ok else reason
 
 
