@@ -495,11 +495,13 @@ def test_memory_budget_option():
 
 
 @pytest.mark.parametrize("max_d", [16, 128])
-@pytest.mark.parametrize("kw", [dict(), dict(softcap=4.0, label_smoothing=0.1)])
+@pytest.mark.parametrize("kw", [dict(), dict(softcap=4.0, label_smoothing=0.1), dict(softcap=3.0, ignore_index=7)])
 def test_fused_path_in_one_or_several_hidden_chunks(max_d, kw):
     """D = 31: one chunk (each loaded tile serves the logits and the product) or two chunks of 16
-    columns (each recomputing the logits) give the same float64-accurate loss and gradients."""
+    columns (each recomputing the logits) give the same float64-accurate loss and gradients; the
+    forward takes one K step too (target logit gathered on the host, ignored rows included)."""
     x, w, b, t = _inputs()
+    t[3] = kw.get("ignore_index", -100)
     with cce_tuning(fused_max_d=max_d, fused_block_m=16, fused_block_n=32), record_cce_stats() as stats:
         _check("triton", x, w, b, t, 1e-5, strategy="fused", **kw)
     assert [s.path for s in stats] == ["triton", "fused"], stats
