@@ -190,12 +190,22 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
     ):
         """(g, p) of ``grad_tile`` from the raw logits tile z = x[rows] @ W[cols].T."""
+        lse = tl.load(LSE + rows)
+        pc = tl.load(PCoef + rows)
+        sc = tl.load(SCoef + rows) if SMOOTH_IN_TILE else pc
+        return softmax_grad(z, mask_m, cols, mask_n, Bias, sb, softcap, lse, pc, sc,
+                            HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
+
+    @triton.jit
+    def softmax_grad(
+        z, mask_m, cols, mask_n, Bias, sb, softcap, lse, pc, sc,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
+    ):
+        """(g, p) from the raw logits tile z and the rows' lse, pcoef and (SMOOTH_IN_TILE) scoef."""
         if HAS_BIAS:
             z += tl.load(Bias + cols * sb).to(tl.float32)[None, :]
         if HAS_SOFTCAP:
             z = softcap * stable_tanh(z / softcap)
-        lse = tl.load(LSE + rows)
-        pc = tl.load(PCoef + rows)
         live = mask_m & (pc != 0.0)
         keep = live[:, None] & mask_n[None, :]
         p = tl.where(keep, tl.exp(z - lse[:, None]), 0.0)
@@ -205,7 +215,6 @@ if HAS_TRITON:
             p = p * dcap
         g = p * pc[:, None]
         if SMOOTH_IN_TILE:
-            sc = tl.load(SCoef + rows)
             sm = tl.where(mask_m & (sc != 0.0), sc, 0.0)
             if HAS_SOFTCAP:
                 g -= tl.where(keep, sm[:, None] * dcap, 0.0)
@@ -214,15 +223,26 @@ if HAS_TRITON:
         return g, p
 
     @triton.jit
-    def minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M: tl.constexpr):
-        """g minus the one-hot term: tcoef_i at the column whose visiting position is the target's."""
+    def target_rows(tb, N, TPos, TCoef, BLOCK_M: tl.constexpr):
+        """Target visiting positions (-1 past N) and coefficients (0 past N) of token block tb."""
         offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N
         rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
         tp = tl.load(TPos + rows, mask=mask_m, other=-1)
         tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
+        return tp, tc
+
+    @triton.jit
+    def minus_target(g, pos, V, tp, tc):
+        """g minus the one-hot term: tcoef_i at the column whose visiting position is the target's."""
         hit = (pos[None, :] == tp[:, None]) & (pos < V)[None, :]
         return g - tl.where(hit, tc[:, None], 0.0)
+
+    @triton.jit
+    def minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M: tl.constexpr):
+        """``minus_target`` with the targets of token block tb loaded here."""
+        tp, tc = target_rows(tb, N, TPos, TCoef, BLOCK_M)
+        return minus_target(g, pos, V, tp, tc)
 
     @triton.jit
     def is_filtered(g, p, filter_eps):
@@ -437,8 +457,12 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         vb0 = pid_s * vb_per_split
         vb1 = tl.minimum(vb0 + vb_per_split, tl.cdiv(V, BLOCK_N))
-        if ONE_K:
+        if ONE_K:  # everything about the rows is loaded once
             xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
+            lse = tl.load(LSE + rows)
+            pc = tl.load(PCoef + rows)
+            sc = tl.load(SCoef + rows) if SMOOTH_IN_TILE else pc
+            tp, tc = target_rows(tb, N, TPos, TCoef, BLOCK_M)
         for vb in range(vb0, vb1):
             pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = pos < V
@@ -446,9 +470,9 @@ if HAS_TRITON:
             if ONE_K:
                 wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
                 z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
-                g, p = grad_epilogue(z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
-                                     HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
-                g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
+                g, p = softmax_grad(z, mask_m, cols, mask_n, Bias, sb, softcap, lse, pc, sc,
+                                    HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE)
+                g = minus_target(g, pos, V, tp, tc)
                 acc = tl.dot(g.to(wt.dtype), tl.trans(wt), acc, input_precision=DOT_PRECISION)
             else:
                 g, p = grad_tile(X, W, Bias, TPos, LSE, PCoef, SCoef, tb, vb, 0,
