@@ -22,7 +22,15 @@ from typing import Optional
 import torch
 
 from .dispatch import use_triton
-from .linear_cross_entropy_paths import chunked, grad_coefs, recompute_backward, scale_, triton_forward
+from .linear_cross_entropy_paths import (
+    FORWARD_DX_MAX_D,
+    chunked,
+    forward_dx_small_d,
+    grad_coefs,
+    recompute_backward,
+    scale_,
+    triton_forward,
+)
 from .linear_cross_entropy_plan import (
     BACKWARDS,
     REDUCTIONS,
@@ -97,12 +105,18 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> 
         raise IndexError(f"Target {value} is out of bounds.") from None
 
 
-def _forms_grads(strategy: str, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
-                 bias: Optional[torch.Tensor]) -> bool:
-    """Whether the forward forms the gradient (the chunked path): decided by the arguments alone,
-    so that the fake and the real op agree on the output shapes."""
-    return strategy == "chunked" and reduction != "none" and (
-        need_dx or need_dw or (need_db and bias is not None))
+def _forms_grads(strategy: str, reduction: str, label_smoothing: float, hidden, need_dx: bool,
+                 need_dw: bool, need_db: bool, bias: Optional[torch.Tensor]) -> tuple[bool, bool, bool]:
+    """Which of (dx, dw, db) the forward forms, for grad_output = 1: all asked for on the chunked
+    path; dx on the fused path when D fits one K step (and no label smoothing). Decided by the
+    arguments alone, so that the fake and the real op agree on the output shapes."""
+    if reduction == "none":
+        return False, False, False
+    if strategy == "chunked":
+        return need_dx, need_dw, need_db and bias is not None
+    if strategy == "fused" and label_smoothing == 0.0 and hidden <= FORWARD_DX_MAX_D:
+        return need_dx, False, False
+    return False, False, False
 
 
 def _budget(memory_budget: int, n_tokens: int, vocab: int) -> int:
@@ -147,11 +161,17 @@ def _lce_op(
     valid = target != ignore_index
     budget = _budget(memory_budget, N, V)
     dx = dw = db = None
-    if _forms_grads(strategy, reduction, need_dx, need_dw, need_db, bias):
+    forms = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
+    if strategy == "fused" and any(forms) and triton:
+        coefs = grad_coefs(None, None, valid, reduction, label_smoothing, V)
+        lse, tz, dx = forward_dx_small_d(x, weight, target, bias, softcap, coefs)
+        nll = torch.where(valid, lse - tz, torch.zeros((), device=x.device, dtype=torch.float32))
+        tz = torch.where(valid, tz, 0.0)
+    elif any(forms):
         coefs = grad_coefs(None, None, valid, reduction, label_smoothing, V)
         nll, lse, tz, dx, dw, db = chunked(
             x, weight, target, bias, coefs, softcap, ignore_index, label_smoothing, budget, triton=triton,
-            need_dx=need_dx, need_dw=need_dw, need_db=need_db and bias is not None, phase="forward")
+            need_dx=forms[0], need_dw=forms[1], need_db=forms[2], phase="forward")
     elif triton:
         lse, tz, zs = triton_forward(x, weight, target, bias, softcap, label_smoothing)
         nll = lse - (1.0 - label_smoothing) * tz
@@ -175,11 +195,11 @@ def _lce_fake(x, weight, target, bias, softcap, ignore_index, label_smoothing, r
     _check_tensors(x, weight, target, bias)
     n = x.shape[0]
     f32 = dict(dtype=torch.float32)
-    forms = _forms_grads(strategy, reduction, need_dx, need_dw, need_db, bias)
+    fx, fw, fb = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
     return (x.new_empty((n,) if reduction == "none" else (), **f32), x.new_empty((n,), **f32),
-            x.new_empty((n,), **f32), x.new_empty(x.shape if forms and need_dx else (0,)),
-            weight.new_empty(weight.shape if forms and need_dw else (0,)),
-            bias.new_empty(bias.shape) if forms and need_db and bias is not None else x.new_empty((0,)))
+            x.new_empty((n,), **f32), x.new_empty(x.shape if fx else (0,)),
+            weight.new_empty(weight.shape if fw else (0,)),
+            bias.new_empty(bias.shape) if fb else x.new_empty((0,)))
 
 
 def _recompute_path(strategy: str, x: torch.Tensor, deterministic: bool, filtered: bool) -> str:
@@ -247,8 +267,7 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
                   deterministic, impl)
     ctx.strategy, ctx.memory_budget, ctx.loss_shape = strategy, memory_budget, loss.shape
-    forms = _forms_grads(strategy, reduction, need_dx, need_dw, need_db, bias)
-    ctx.formed = (forms and need_dx, forms and need_dw, forms and need_db and bias is not None)
+    ctx.formed = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
@@ -258,13 +277,19 @@ def _backward(ctx, grad_loss, grad_lse, *unused):
     if grad_loss is None and grad_lse is None:
         return (None,) * 4 + none
     needed = (need_dx, need_dw, need_db)
-    if grad_lse is None and all(f or not n for f, n in zip(ctx.formed, needed)):
-        # The chunked forward formed the gradient for grad_output = 1: scale it in place (no second
-        # [V, D] buffer). A second backward through the same graph then fails autograd's version
-        # check instead of seeing scaled values.
-        grads = [g for g, n in ((dx_f, need_dx), (dw_f, need_dw), (db_f, need_db)) if n]
-        _scale_op(grads, grad_loss, ctx.params[-1])
-        return (dx_f if need_dx else None, dw_f if need_dw else None, None, db_f if need_db else None) + none
+    if grad_lse is None and grad_loss is not None and any(ctx.formed):
+        # The forward formed some gradients for grad_output = 1: scale them in place (no second
+        # buffer; a second backward through the same graph then fails autograd's version check
+        # instead of seeing scaled values) and recompute the others.
+        formed = [f and n for f, n in zip(ctx.formed, needed)]
+        _scale_op([g for g, f in zip((dx_f, dw_f, db_f), formed) if f], grad_loss, ctx.params[-1])
+        missing = [n and not f for f, n in zip(formed, needed)]
+        out = [g if f else None for g, f in zip((dx_f, dw_f, db_f), formed)]
+        if any(missing):
+            rec = _lce_backward_op(grad_loss, None, x, weight, target, bias, lse, tz, *ctx.params, *missing,
+                                   ctx.strategy, ctx.memory_budget)
+            out = [r if m else o for r, m, o in zip(rec, missing, out)]
+        return (out[0], out[1], None, out[2]) + none
     if grad_loss is None:
         grad_loss = lse.new_zeros(ctx.loss_shape)
     dx, dw, db = _lce_backward_op(grad_loss, grad_lse, x, weight, target, bias, lse, tz, *ctx.params,

@@ -13,7 +13,8 @@ In the tile kernels ``TCoef`` already includes ``softcap'`` at the target.
   filter threshold in a bounded buffer, reduced by ``dx_sparse_kernel`` / ``dw_sparse_kernel``;
   ``grad_dense_kernel`` writes the gradient of a whole vocabulary chunk for library GEMMs.
 * Recompute backward, small D: ``dx_fused_kernel`` / ``dw_fused_kernel`` own their output rows and
-  recompute the tiles they need; the gradient never leaves the chip.
+  recompute the tiles they need; the gradient never leaves the chip. ``lse_dx_small_d_kernel``
+  forms dX in the forward pass itself (the fused path's forward when D fits one K step).
 * Gradient in the forward (``chunked``): ``logits_grad_rows_kernel`` turns a chunk of logits rows,
   written by a library GEMM, into the loss and (in place) the gradient of those rows;
   ``scale_kernel`` scales them by ``grad_output`` in the backward.
@@ -543,6 +544,57 @@ if HAS_TRITON:
         if HAS_DB:
             if pid_d == 0:
                 tl.store(DB + cols, bacc, mask=mask_n)
+
+    @triton.jit
+    def lse_dx_small_d_kernel(
+        X, W, Bias, M_out, S_out, ACC_out,
+        N, V, D, sxn, sxd, swv, swd, sb, softcap, vb_per_split,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ):
+        """Forward and dX in one pass, for D <= BLOCK_K (one K step). Per (token block, vocabulary
+        split): the running max m and sum-exp s of the softcapped logits, and
+        acc = sum_v exp(z_v - m) softcap'(z_v) W_v [BLOCK_M, BLOCK_K]: the softmax-weighted rows of
+        W (FlashAttention's output with W as both keys and values), rescaled as m grows. The host
+        combines the splits into the lse and sum_v p_v softcap'(z_v) W_v."""
+        tb = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < N
+        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        vb0 = pid_s * vb_per_split
+        vb1 = tl.minimum(vb0 + vb_per_split, tl.cdiv(V, BLOCK_N))
+        for vb in range(vb0, vb1):
+            pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = pos < V
+            cols = tl.where(mask_n, pos, 0).to(tl.int64)
+            wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
+            z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
+            if HAS_BIAS:
+                z += tl.load(Bias + cols * sb).to(tl.float32)[None, :]
+            if HAS_SOFTCAP:
+                zc = stable_tanh(z / softcap)
+                z = softcap * zc
+            z = tl.where(mask_n[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 1))
+            alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new))
+            e = tl.where(mask_n[None, :], tl.exp(z - m_new[:, None]), 0.0)
+            s = s * alpha + tl.sum(e, 1)
+            if HAS_SOFTCAP:
+                e = e * (1.0 - zc * zc)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(e.to(wt.dtype), tl.trans(wt), acc, input_precision=DOT_PRECISION)
+            m = m_new
+        out = pid_s.to(tl.int64) * N + rows
+        tl.store(M_out + out, m, mask=mask_m)
+        tl.store(S_out + out, s, mask=mask_m)
+        offs_k = tl.arange(0, BLOCK_K)
+        tl.store(ACC_out + out[:, None] * BLOCK_K + offs_k[None, :], acc, mask=mask_m[:, None])
 
     @triton.jit
     def logits_grad_rows_kernel(

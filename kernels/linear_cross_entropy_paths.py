@@ -15,7 +15,7 @@ import torch
 
 from .dispatch import dot_precision
 from .linear_cross_entropy_kernels import HAS_TRITON
-from .linear_cross_entropy_plan import CCEStats, CCETuning, chunk_plan, current_tuning, record
+from .linear_cross_entropy_plan import FORWARD_DX_MAX_D, CCEStats, CCETuning, chunk_plan, current_tuning, record
 
 if HAS_TRITON:
     from .linear_cross_entropy_kernels import (
@@ -26,11 +26,13 @@ if HAS_TRITON:
         grad_dense_kernel,
         grad_sparse_kernel,
         logits_grad_rows_kernel,
+        lse_dx_small_d_kernel,
         lse_forward_kernel,
         scale_kernel,
     )
 
-__all__ = ["GradCoefs", "chunked", "grad_coefs", "recompute_backward", "scale_", "triton_forward"]
+__all__ = ["FORWARD_DX_MAX_D", "GradCoefs", "chunked", "forward_dx_small_d", "grad_coefs", "recompute_backward",
+           "scale_", "triton_forward"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,6 +141,43 @@ def _target_logits(x, weight, target, bias, softcap: float, chunk: int = 4096) -
     if softcap > 0.0:
         tz = softcap * torch.tanh(tz / softcap)
     return torch.where(ok, tz, torch.zeros_like(tz))
+
+
+def forward_dx_small_d(x, weight, target, bias, softcap: float, coefs: GradCoefs):
+    """(lse, softcapped target logit, dx) for D <= FORWARD_DX_MAX_D in one pass over the logits
+    tiles: dx is formed for the coefficients ``coefs`` (grad_output = 1) as
+    ``pcoef_i sum_v p_iv softcap'(z_iv) W_v - tcoef_i softcap'(z_it) W_t`` (no label smoothing)."""
+    cfg = _tuning(x)
+    N, D = x.shape
+    V = weight.shape[0]
+    BM, BN, BK = cfg.fused_block_m, cfg.fused_block_n, _pow2(D)
+    num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
+    splits = max(1, min(nvb, _cdiv(cfg.fused_dx_waves * _num_sms(x.device), num_tb),
+                        (32 << 20) // max(1, N * BK * 4)))  # partials of dX within 32 MiB
+    per_split = _cdiv(nvb, splits)
+    splits = _cdiv(nvb, per_split)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    m_part = torch.empty((splits, N), **f32)
+    s_part = torch.empty((splits, N), **f32)
+    acc_part = torch.empty((splits, N, BK), **f32)
+    lse_dx_small_d_kernel[(num_tb, splits)](
+        x, weight, bias if bias is not None else x, m_part, s_part, acc_part,
+        N, V, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0, float(softcap), per_split,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=D == BK, DOT_PRECISION=dot_precision(x.dtype),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0,
+        num_warps=cfg.fused_warps, num_stages=cfg.fused_stages)
+    m = m_part.amax(0)
+    w = torch.where(m_part == float("-inf"), torch.zeros_like(m_part), torch.exp(m_part - m))
+    total = (s_part * w).sum(0)
+    lse = m + torch.log(total)
+    pw = torch.einsum("snk,sn->nk", acc_part, w / total)[:, :D]  # sum_v p_v softcap'(z_v) W_v
+    tz = _target_logits(x, weight, target, bias, softcap)
+    tcoef = coefs.tcoef * (1.0 - (tz / softcap) ** 2) if softcap > 0.0 else coefs.tcoef
+    ts = torch.where((target >= 0) & (target < V), target, torch.zeros_like(target))
+    dx = (coefs.pcoef[:, None] * pw - tcoef[:, None] * weight[ts].float()).to(x.dtype)
+    record(CCEStats(phase="forward", path="fused"))
+    return lse, tz, dx
 
 
 def _combine_lse(m_part: torch.Tensor, s_part: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ from typing import Iterator, Optional
 import torch
 
 __all__ = [
-    "BACKWARDS", "PATHS", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "H200",
+    "BACKWARDS", "FORWARD_DX_MAX_D", "PATHS", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning",
+    "DeviceRates", "H200",
     "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "default_filter_eps",
     "default_memory_budget", "estimate_seconds", "fused_loss_pays", "record", "record_cce_stats",
 ]
@@ -254,13 +255,17 @@ class DeviceRates:
 
     gemm_flops: float = 690e12
     tile_flops: float = 560e12
-    softmax_elems: float = 0.71e12
+    softmax_elems: float = 0.97e12
     bandwidth: float = 4.3e12
     launch_s: float = 5e-6
     sync_s: float = 50e-6
 
 
 H200 = DeviceRates()
+# The fused path forms dX in its forward pass when the hidden size fits one K step of this many
+# columns (a constant, not a tuning field: the op's output shapes must not depend on tuning).
+FORWARD_DX_MAX_D = 128
+FORWARD_DX_PASS = 1.8  # that pass's time in plain softmax passes (it adds the dX product)
 _DEFAULTS = CCETuning()
 _TILE = 128 * 128  # entries per gradient tile of the sparse path
 
@@ -296,17 +301,24 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
         return {"unfused": F / rates.gemm_flops + 2 * L / bw + 3 * launch,
                 "static": tile_pass + 4 * launch}
     extra = 2 * L / bw if upcast and elem < 4 else 0.0
-    out = {"unfused": 3 * F / rates.gemm_flops + 4 * L / bw + extra + 6 * launch}
+    # a GEMM with a logits-sized operand or result: bound by its FLOPs, or for small D by the bytes
+    gemm = max(F / rates.gemm_flops, L / bw)
+    out = {"unfused": 3 * gemm + 4 * L / bw + extra + 6 * launch}
     rows, fp32_acc = chunk_plan(N, D, V, elem, budget, True)
     chunks = math.ceil(N / rows)
     rmw = (chunks - 1) * 2 * V * D * (4 if fp32_acc else elem) / bw
-    out["chunked"] = 3 * F / rates.gemm_flops + 3 * L / bw + rmw + (5 * chunks + 10) * launch
+    out["chunked"] = 3 * gemm + 3 * L / bw + rmw + (5 * chunks + 10) * launch
     width = max(tun.dense_block_n, min(tun.dense_budget_bytes, budget) // max(1, N * elem))
     vchunks = math.ceil(V / width)
     # static: the gradient of each vocabulary chunk is written once and read by the dX and dW GEMMs
     out["static"] = (2 * tile_pass + 2 * F / rates.gemm_flops + 3 * L / bw
                      + vchunks * (2 * N * D * 4 / bw + 4 * launch) + 10 * launch)
-    out["fused"] = (1 + 2 * math.ceil(D / tun.fused_max_d)) * tile_pass + 10 * launch
+    # fused: for D <= FORWARD_DX_MAX_D the forward pass forms dX too (FORWARD_DX_PASS of a plain
+    # pass), then one dW pass; larger D: forward, then dX and dW per chunk of fused_max_d columns
+    if D <= FORWARD_DX_MAX_D:
+        out["fused"] = (FORWARD_DX_PASS + 1) * tile_pass + 10 * launch
+    else:
+        out["fused"] = (1 + 2 * math.ceil(D / tun.fused_max_d)) * tile_pass + 10 * launch
     if backward == "filtered":
         eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
         kept = _flat_kept_fraction(V, eps)
