@@ -149,8 +149,8 @@ def _lce_op(
     """(loss fp32, lse fp32 [N], softcapped target logit fp32 [N], dx, dw, db).
 
     With ``strategy="chunked"`` (and reduction "mean"/"sum") the gradients asked for by
-    ``need_dx``/``need_dw``/``need_db`` are formed here, for ``grad_output = 1``; otherwise those
-    outputs are empty and the backward recomputes.
+    ``need_dx``/``need_dw``/``need_db`` are formed here, for ``grad_output = 1``; with "fused" and a
+    small D (no label smoothing) dx is; the other outputs are empty and the backward recomputes.
     """
     _check_options(reduction, backward, strategy, label_smoothing, softcap, memory_budget)
     _check_tensors(x, weight, target, bias)

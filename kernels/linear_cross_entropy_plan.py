@@ -15,7 +15,9 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
   with library GEMMs; a schedule fixed by the shapes (capture-safe), exact.
 * ``"fused"``: the backward recomputes the tiles inside kernels that own their output rows (dX by
   token block, dW by vocabulary block); nothing gradient-sized is written. For small hidden sizes
-  (the rank-r activations of a tensor-train head), exact and capture-safe.
+  (the rank-r activations of a tensor-train head), exact and capture-safe. When D fits one K step
+  (``FORWARD_DX_MAX_D``; reduction "mean"/"sum", no label smoothing) the forward pass forms dX
+  itself and the backward recomputes only dW: two passes over the logits.
 
 ``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of
 :class:`DeviceRates`); ``fused_loss_pays`` says whether the best path is expected to beat the
