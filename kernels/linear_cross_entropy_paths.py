@@ -123,7 +123,7 @@ def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: flo
     )
     record(CCEStats(phase="forward", path="triton"))
     tz = _target_logits(x, weight, target, bias, softcap) if one_k else tz_part.sum(0)
-    return _combine_lse(m_part, s_part), tz, zs_part.sum(0) if smooth else None
+    return _combine_splits(m_part, s_part)[0], tz, zs_part.sum(0) if smooth else None
 
 
 def _target_logits(x, weight, target, bias, softcap: float, chunk: int = 4096) -> torch.Tensor:
@@ -152,10 +152,8 @@ def forward_dx_small_d(x, weight, target, bias, softcap: float, coefs: GradCoefs
     V = weight.shape[0]
     BM, BN, BK = cfg.fused_block_m, cfg.fused_block_n, _pow2(D)
     num_tb, nvb = _cdiv(N, BM), _cdiv(V, BN)
-    splits = max(1, min(nvb, _cdiv(cfg.fused_dx_waves * _num_sms(x.device), num_tb),
-                        (32 << 20) // max(1, N * BK * 4)))  # partials of dX within 32 MiB
-    per_split = _cdiv(nvb, splits)
-    splits = _cdiv(nvb, per_split)
+    splits, per_split = _vocab_splits(nvb, num_tb, x.device, cfg.fused_dx_waves,
+                                      (32 << 20) // max(1, N * BK * 4))  # partials of dX within 32 MiB
     f32 = dict(device=x.device, dtype=torch.float32)
     m_part = torch.empty((splits, N), **f32)
     s_part = torch.empty((splits, N), **f32)
@@ -167,23 +165,37 @@ def forward_dx_small_d(x, weight, target, bias, softcap: float, coefs: GradCoefs
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EVEN_K=D == BK, DOT_PRECISION=dot_precision(x.dtype),
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0.0,
         num_warps=cfg.fused_warps, num_stages=cfg.fused_stages)
-    m = m_part.amax(0)
-    w = torch.where(m_part == float("-inf"), torch.zeros_like(m_part), torch.exp(m_part - m))
-    total = (s_part * w).sum(0)
-    lse = m + torch.log(total)
-    pw = torch.einsum("snk,sn->nk", acc_part, w / total)[:, :D]  # sum_v p_v softcap'(z_v) W_v
+    lse, share = _combine_splits(m_part, s_part)
+    pw = torch.einsum("snk,sn->nk", acc_part, share)[:, :D]  # sum_v p_v softcap'(z_v) W_v
     tz = _target_logits(x, weight, target, bias, softcap)
-    tcoef = coefs.tcoef * (1.0 - (tz / softcap) ** 2) if softcap > 0.0 else coefs.tcoef
+    tcoef = _target_coef(coefs.tcoef, tz, softcap)
     ts = torch.where((target >= 0) & (target < V), target, torch.zeros_like(target))
     dx = (coefs.pcoef[:, None] * pw - tcoef[:, None] * weight[ts].float()).to(x.dtype)
     record(CCEStats(phase="forward", path="fused"))
     return lse, tz, dx
 
 
-def _combine_lse(m_part: torch.Tensor, s_part: torch.Tensor) -> torch.Tensor:
+def _combine_splits(m_part: torch.Tensor, s_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse [N], each split's share of the softmax mass [splits, N]) from per-split running max and
+    sum-exp partials [splits, N]."""
     m = m_part.amax(0)
     w = torch.where(m_part == float("-inf"), torch.zeros_like(m_part), torch.exp(m_part - m))
-    return m + torch.log((s_part * w).sum(0))
+    total = (s_part * w).sum(0)
+    return m + torch.log(total), w / total
+
+
+def _target_coef(tcoef: torch.Tensor, tz: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The one-hot term's coefficient on the raw logit: tcoef times softcap' at the (softcapped)
+    target logit tz."""
+    return tcoef * (1.0 - (tz / softcap) ** 2) if softcap > 0.0 else tcoef
+
+
+def _vocab_splits(nvb: int, programs: int, device: torch.device, waves: int, cap: int) -> tuple[int, int]:
+    """(splits, vocabulary blocks per split) so that ``programs`` x splits fill ``waves`` programs
+    per SM, at most ``cap`` splits, every split non-empty."""
+    splits = max(1, min(nvb, _cdiv(waves * _num_sms(device), programs), cap))
+    per_split = _cdiv(nvb, splits)
+    return _cdiv(nvb, per_split), per_split
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +352,7 @@ class _Backward:
         self.need_dx, self.need_dw, self.need_db = need_dx, need_dw, need_db
         self.pcoef, self.scoef = coefs.pcoef, coefs.scoef
         # the tile kernels take softcap' at the target inside tcoef
-        self.tcoef = (coefs.tcoef * (1.0 - (tz / softcap) ** 2) if softcap > 0.0 else coefs.tcoef).contiguous()
+        self.tcoef = _target_coef(coefs.tcoef, tz, softcap).contiguous()
         self.smooth_in_tile = label_smoothing > 0.0 and softcap > 0.0  # not rank-one then
         self.smooth_vec = label_smoothing > 0.0 and not self.smooth_in_tile
         self.gdtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -575,9 +587,7 @@ def _fused(bw: _Backward) -> None:
     common = (x, weight, bias_arg, bw.lse, bw.pcoef, bw.scoef, bw.tpos, bw.tcoef)
     if bw.need_dx:
         # enough (token block, vocabulary split) programs for ``fused_dx_waves`` per SM
-        splits = max(1, min(nvb, _cdiv(cfg.fused_dx_waves * _num_sms(x.device), num_tb * nd)))
-        per_split = _cdiv(nvb, splits)
-        splits = _cdiv(nvb, per_split)
+        splits, per_split = _vocab_splits(nvb, num_tb * nd, x.device, cfg.fused_dx_waves, nvb)
         part = torch.empty((splits, N, D), device=x.device, dtype=torch.float32)
         dx_fused_kernel[(num_tb, splits, nd)](
             *common, part, N, V, D, *bw.strides(), float(bw.softcap), per_split,
