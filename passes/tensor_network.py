@@ -152,6 +152,22 @@ def _check_shapes(site: _Site) -> None:
         out_features = cols if site.x_times_m else rows
         if not isinstance(fb, torch.Tensor) or tuple(fb.shape) != (out_features,):
             raise _Decline(f"bias of shape {tuple(getattr(fb, 'shape', ()))}; expected ({out_features},)")
+    dtypes = {fx_.dtype, fw.dtype} | ({fake(site.bias).dtype} if site.bias is not None else set())
+    if len(dtypes) > 1:
+        # Outside autocast eager raises on mixed dtypes (fake tensors do not): keep the original call,
+        # which raises the same way. Autocast (ambient, or a region of the traced code) mixes them.
+        device = fx_.device.type
+        enabled = [torch.is_autocast_enabled(device)]
+        for n in site.node.graph.nodes:
+            if n is site.node:
+                break
+            if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+                enabled.append(bool(n.args[2]) if n.args[:1] == (device,) and len(n.args) > 2 else enabled[-1])
+            elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast and len(enabled) > 1:
+                enabled.pop()
+        if not enabled[-1]:
+            raise _Decline(f"mixed dtypes {sorted(str(d) for d in dtypes)} outside autocast: eager raises, "
+                           "and so does the original call, which is kept")
 
 
 def _plan(site: _Site, ctx: PassContext) -> None:

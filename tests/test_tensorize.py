@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile import tt
+from comera_compile import explain, tt
 from comera_compile.tensorize import (
     TTConfig,
     TTParametrization,
@@ -709,3 +709,57 @@ def test_defaults_tt_matrix_everywhere_and_embeddings_keep_their_scale():
         assert 0.7 * want < got < 1.4 * want, (name, got)
     got = float(model["fc"].weight.detach().std())  # Linear: CoMERA's sqrt(1 / (in + out))
     assert 0.7 * math.sqrt(1 / 768) < got < 1.4 * math.sqrt(1 / 768)
+
+
+# ----------------------------------------------------------------------------------------------
+# No silent no-ops, no surprising semantics
+# ----------------------------------------------------------------------------------------------
+
+
+def _bf16_tt_linear(fmt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256)).bfloat16()
+    tensorize_(model, TTConfig(rank=4, fmt=fmt, min_size=0))
+    return model
+
+
+@pytest.mark.parametrize("fmt,tokens", [("ttm", 4), ("tt", 512)])  # the dense and the factored plan
+def test_compiled_bf16_tt_layer_fed_fp32_raises_like_eager(fmt, tokens):
+    """Outside autocast a bf16 layer fed fp32 activations raises in eager mode (a dense nn.Linear and
+    the TT layer alike); the compiled TT layer raises too instead of computing in fp32."""
+    x = torch.randn(tokens, 256)
+    dense = nn.Linear(256, 256).bfloat16()
+    with pytest.raises(RuntimeError, match="dtype"):
+        dense(x)
+    model = _bf16_tt_linear(fmt)
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(x)
+    compiled = torch.compile(model, backend="comera", options={"inner": "aot_eager"})
+    with pytest.raises(RuntimeError, match="dtype"):
+        compiled(x)
+    # Matching dtypes compile and agree with eager.
+    torch.testing.assert_close(compiled(x.bfloat16()).float(), model(x.bfloat16()).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fmt,tokens", [("ttm", 4), ("tt", 512)])
+def test_compiled_bf16_tt_layer_fed_fp32_under_autocast_matches_eager(fmt, tokens):
+    """Autocast mixes dtypes legitimately: ambient or inside the compiled code, the compiled layer
+    computes what eager autocast does."""
+    torch.manual_seed(1)
+    x = torch.randn(tokens, 256)
+    model = _bf16_tt_linear(fmt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+        report = explain(model, x, options={"inner": "aot_eager"})
+    assert [r.kind for r in report.rewrites] == ["tt_linear"], str(report)  # lowered, not left alone
+    assert report.output.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(report.output.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+    def inside(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        return y.float()
+
+    report = explain(inside, x, options={"inner": "aot_eager"})
+    assert [r.kind for r in report.rewrites] == ["tt_linear"], str(report)
+    torch.testing.assert_close(report.output, want.float(), rtol=2e-2, atol=2e-2)
