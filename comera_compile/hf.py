@@ -4,13 +4,15 @@ A transformers model returns its logits next to the loss, so in the graph the LM
 a second user (the returned ``logits``) and the ``cce`` pass must leave the head alone: fusing would
 compute the logits anyway. :func:`fused_loss` makes the model drop the logits in training, as
 Liger-Kernel and Cut-Cross-Entropy do, so that Dynamo's graph no longer returns them and the head +
-cross-entropy becomes one fused op. Nothing here imports transformers: the helpers work on any
-module whose output is a ``ModelOutput``-like mapping (or a ``(loss, logits, ...)`` tuple).
+cross-entropy becomes one fused op. Nothing here imports transformers: :func:`fused_loss` takes a
+transformers ``PreTrainedModel`` (found through the already imported module that defines it), and
+:func:`without_logits` works on any ``ModelOutput``-like mapping (or ``(loss, logits, ...)`` tuple).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -46,11 +48,12 @@ def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
     the loss in a graph of its own.
 
     Works before or after ``torch.compile`` (a compiled module is unwrapped); ``enabled=False``
-    restores the class's forward. Returns ``model``.
+    restores the class's forward. Returns ``model``. Anything but a transformers ``PreTrainedModel``
+    raises TypeError naming what was passed (for a wrapper, e.g. PEFT's or DDP's, the
+    ``PreTrainedModel`` inside it: apply ``fused_loss`` to that one, whose forward the wrapper calls).
     """
     root = _root(model)
-    if not isinstance(root, nn.Module):
-        raise TypeError(f"fused_loss: expected an nn.Module, got {type(model).__name__}")
+    _check_pretrained(model, root)
     current = root.__dict__.get("forward")
     if enabled and current is None:
         root.forward = _DroppingForward(root, type(root).forward)
@@ -63,6 +66,30 @@ def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
         if root.__dict__.pop(_PINNED, False):
             del root._loss_function
     return model
+
+
+def _pretrained_model_class() -> type | None:
+    """transformers' ``PreTrainedModel``; a model that is one has imported it, so transformers is
+    never imported here."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
+def _check_pretrained(model: Any, root: Any) -> None:
+    base = _pretrained_model_class()
+    if base is not None and isinstance(root, base):
+        return
+    expected = ("fused_loss expects a transformers PreTrainedModel (e.g. AutoModelForCausalLM.from_pretrained(...)), "
+                "whose forward takes labels= and returns its loss next to the logits")
+    got = type(root).__name__ + (f" (compiled, {type(model).__name__})" if root is not model else "")
+    if base is None:
+        raise TypeError(f"{expected}; got {got} (transformers is not imported, so it cannot be one)")
+    inside = next(((name, m) for name, m in root.named_modules() if name and isinstance(m, base)), None) \
+        if isinstance(root, nn.Module) else None
+    if inside is None:
+        raise TypeError(f"{expected}; got {got}")
+    name = ("_orig_mod." if root is not model else "") + inside[0]
+    raise TypeError(f"{expected}; got {got}, a wrapper of the {type(inside[1]).__name__} at '{inside[0]}': apply "
+                    f"cc.hf.fused_loss(model.get_submodule('{name}')), whose forward the wrapper calls")
 
 
 class _DroppingForward:

@@ -140,6 +140,38 @@ def test_logits_stay_in_eval_without_labels_and_after_disabling():
     assert model(ids, labels=labels).logits is None and compiled._orig_mod is model
 
 
+def test_fused_loss_refuses_what_is_not_a_transformers_model():
+    """fused_loss only knows transformers' outputs: anything else raises, naming what was passed and
+    what is expected (a wrapper names the PreTrainedModel inside it), and is left unchanged."""
+    for bad, match in [
+        (torch.nn.Linear(4, 4), r"expects a transformers PreTrainedModel.*got Linear"),
+        (torch.nn.Sequential(torch.nn.Linear(4, 4)), r"expects a transformers PreTrainedModel.*got Sequential"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            cc.hf.fused_loss(bad)
+        assert "forward" not in bad.__dict__
+    with pytest.raises(TypeError, match=r"got str"):
+        cc.hf.fused_loss("llama")
+
+    class Wrapper(torch.nn.Module):  # e.g. a PEFT or DDP-style wrapper
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    wrapper = Wrapper(make_model("llama"))
+    with pytest.raises(TypeError, match=r"got Wrapper.*LlamaForCausalLM at 'module'.*"
+                                        r"fused_loss\(model.get_submodule\('module'\)\)"):
+        cc.hf.fused_loss(wrapper)
+    assert "forward" not in wrapper.__dict__ and "forward" not in wrapper.module.__dict__
+    # What the message suggests works: the wrapper's output then drops its logits.
+    cc.hf.fused_loss(wrapper.get_submodule("module"))
+    ids, labels = batch("llama")
+    assert wrapper(ids, labels=labels).logits is None
+
+
 # ----------------------------------------------------------------------------------------------
 # tensorize_ on transformers models: GPT-2's Conv1D, tied embeddings
 # ----------------------------------------------------------------------------------------------
