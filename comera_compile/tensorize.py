@@ -20,6 +20,7 @@ import logging
 import math
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
@@ -74,9 +75,12 @@ class TTConfig:
     * ``min_size``: layers whose weight has fewer elements are skipped.
     * ``init``: ``"random"`` (CoMERA's variance-matched init) or ``"svd"`` (TT-SVD of the
       current weights); ``svd_tol``: relative-error tolerance that picks the ranks (capped by
-      ``rank``); ``init_std``: target std of the reconstructed weight (default: CoMERA's
-      ``sqrt(1 / (in + out))`` for Linear; for Embedding the std of the table it replaces, i.e. the
-      model's own embedding init: a GPT's 0.02 table started at std 1 trained 24 % worse).
+      ``rank``: where the cap stops TT-SVD short of the tolerance, ``tensorize_`` warns, naming the
+      layers, their reached errors and the capped bonds; every layer's reached error is
+      ``compression_report(model).layers[i].init_error``); ``init_std``: target std of the
+      reconstructed weight (default: CoMERA's ``sqrt(1 / (in + out))`` for Linear; for Embedding
+      the std of the table it replaces, i.e. the model's own embedding init: a GPT's 0.02 table
+      started at std 1 trained 24 % worse).
     * ``max_pad``: largest relative padding the automatic factorization may add (0: never pad).
     """
 
@@ -197,6 +201,7 @@ class TTParametrization(nn.Module):
         kind: str,
         init: str,
         init_error: float | None = None,
+        svd_tol: float | None = None,
     ) -> None:
         super().__init__()
         self.fmt = spec.fmt
@@ -205,7 +210,8 @@ class TTParametrization(nn.Module):
         self.rows, self.cols, self.transpose = spec.rows, spec.cols, spec.transpose
         self.kind = kind
         self.init = init
-        self.init_error = init_error
+        self.init_error = init_error  # TT-SVD init: the relative error reached
+        self.svd_tol = svd_tol  # the tolerance asked for (TTConfig.svd_tol), or None
         self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
         self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
                                       cores[0].new_zeros(0))
@@ -289,7 +295,7 @@ class TTParametrization(nn.Module):
             matrix = value.t() if self.transpose else value
             cores, err = tt.tt_svd(matrix.to(self.core_flat.dtype), self.spec)
             self.assign_(cores, [torch.ones_like(g) for g in self.gates])
-            self.init, self.init_error = "svd", err
+            self.init, self.init_error, self.svd_tol = "svd", err, None
         return value.new_empty(0)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -706,7 +712,8 @@ def _prepare(plan: _Plan) -> None:
     for module in modules:
         _set_dense(module, nn.Parameter(current.clone(), requires_grad=requires_grad) if plan.untie else shared)
     if refactor:
-        log.info("tensorize_: re-factoring %s (already tensorized) from its current weight", plan.fqn)
+        log.info("tensorize_: re-factoring %s (already tensorized) %s", plan.fqn,
+                 "from its current weight" if plan.config.init == "svd" else "with new random cores (refactor=True)")
 
 
 def _requires_grad(module: nn.Module) -> bool:
@@ -714,27 +721,42 @@ def _requires_grad(module: nn.Module) -> bool:
     return p.core_flat.requires_grad if p is not None else module.weight.requires_grad
 
 
-def _apply(plan: _Plan) -> None:
+def _apply(plan: _Plan) -> str | None:
+    """Tensorize the plan's modules; returns why ``svd_tol`` was not reached, or None."""
     spec, cfg = plan.spec, plan.config
     weight = plan.modules[0][1].weight
     dtype, device = weight.dtype, weight.device
-    error = None
+    error, missed = None, None
     if cfg.init == "svd":
         matrix = weight.detach().t() if spec.transpose else weight.detach()
         cores, error = tt.tt_svd(matrix, spec, tol=cfg.svd_tol)
+        cap = spec
         spec = tt.spec_from_cores(cores, spec.fmt, spec.row_modes, spec.col_modes, spec.rows,
                                   spec.cols, spec.transpose)
         log.info("tensorize_: %s %s TT-SVD ranks %s, relative error %.3g", plan.fqn,
                  spec.describe(), list(spec.ranks), error)
+        if cfg.svd_tol is not None and error > cfg.svd_tol:
+            missed = _svd_tol_missed(plan.fqn, cfg, cap, spec, error)
     else:
         cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device)
     gates = [torch.ones(r, dtype=dtype, device=device) for r in spec.gate_sizes]
-    param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error)
+    param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error,
+                              svd_tol=cfg.svd_tol)
     param.core_flat.requires_grad_(weight.requires_grad)
     param.gate_flat.requires_grad_(weight.requires_grad)
     for _, module in plan.modules:
         _register(module, param)
     param.refit_on_assign = True
+    return missed
+
+
+def _svd_tol_missed(fqn: str, cfg: TTConfig, cap: TTSpec, got: TTSpec, error: float) -> str:
+    """``'fqn': relative error E > tol, ...`` naming the bonds the rank cap stopped (1-based)."""
+    bounds = tt.rank_bounds(cap.sizes)
+    capped = [k for k in range(1, len(got.ranks) - 1) if got.ranks[k] == cap.ranks[k] < bounds[k]]
+    why = (f"stopped by the rank cap (rank={cfg.rank!r}) at bond(s) {capped}" if capped else
+           "though no bond is at its cap (rounding)")
+    return f"'{fqn}': relative error {error:.3g} > {cfg.svd_tol:g}, {why}"
 
 
 def _register(module: nn.Module, param: TTParametrization) -> None:
@@ -757,18 +779,23 @@ def tensorize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     *,
     tied: str = "skip",
+    refactor: bool = False,
 ) -> nn.Module:
     """Tensorize ``model``'s Linear, Embedding and transformers ``Conv1D`` weights in place; returns ``model``.
 
     ``config`` is one :class:`TTConfig` for every selected layer, or a dict from module name to
     config (exact names, ``"re:<regex>"`` keys, ``"_default"``; a None value skips the module). A key
     that selects no layer raises ValueError naming the closest layer names.
-    ``filter_fn(module, fqn)`` selects layers (default: all of them).
+    ``filter_fn(module, fqn)`` selects layers (default: all of them); it is asked about the layers
+    the config selects, and one that returns False for all of them raises ValueError naming them.
     ``tied`` says what happens to modules sharing one weight (an embedding tied to the LM head):
     ``"skip"`` leaves them dense, ``"share"`` makes them one TT with shared cores (the embedding
     reads rows of the [V, D] matrix, the head contracts with it), ``"untie"`` gives each its own TT.
-    A layer that is already tensorized is re-factored by the new config: from its current weight
-    with ``init="svd"`` (TT-SVD to the new ranks), from scratch with ``init="random"``.
+    A layer that is already tensorized is re-factored by the new config from its current weight
+    with ``init="svd"`` (TT-SVD to the new ranks). ``init="random"`` would discard its cores (what it
+    learned) for new random ones: that raises ValueError naming the layers unless ``refactor=True``.
+    With ``svd_tol``, a layer whose rank cap stops TT-SVD short of the tolerance is named in one
+    ``UserWarning`` with the error it reached (also in :func:`compression_report`).
     Invalid ranks or modes raise ValueError before any layer changes; every Linear-like layer that
     is not tensorized is listed by :func:`compression_report` with the reason.
     """
@@ -782,25 +809,49 @@ def tensorize_(
     candidates = [fqn for fqn, m in modules.items() if _is_candidate(m)]
     if isinstance(config, Mapping):
         _check_config_keys(config, modules, candidates)
-    if filter_fn is None:
-        def filter_fn(module: nn.Module, fqn: str) -> bool:
-            return True
+    asked: list[str] = []  # the layers filter_fn was asked about
+    chosen = filter_fn or (lambda module, fqn: True)
+
+    def select(module: nn.Module, fqn: str) -> bool:
+        asked.append(fqn)
+        return bool(chosen(module, fqn))
 
     selected: dict[str, TTConfig] = {}
     skipped: dict[str, tuple[str, str]] = {}
     for fqn in candidates:
-        cfg, why = _selection(config, filter_fn, modules[fqn], fqn)
+        cfg, why = _selection(config, select, modules[fqn], fqn)
         if cfg is not None:
             selected[fqn] = cfg
         elif tt_parametrization(modules[fqn]) is None:
             skipped[fqn] = (type(modules[fqn]).__name__, f"not selected: {why}")
+    if filter_fn is not None and asked and not selected:
+        raise ValueError(f"tensorize_: filter_fn returned False for every layer it was asked about ({len(asked)}: "
+                         f"{_names(asked)}), so it selects no layer (it gets each layer's module and full name, "
+                         "filter_fn(module, fqn))")
     plans = _plan_all(model, selected, modules, tied, skipped)
+    discard = [f for plan in plans if plan.config.init == "random"
+               for f, m in plan.modules if tt_parametrization(m) is not None]
+    if discard and not refactor:
+        raise ValueError(f"tensorize_: init='random' would replace the cores of the already tensorized layer(s) "
+                         f"{_names(discard)} (and what they learned) with new random ones; pass refactor=True to "
+                         "do that, use init='svd' to re-factor their current weights to the new config, or leave "
+                         "them out with filter_fn or the config dict. Nothing was changed.")
     for plan in plans:
         _prepare(plan)
-    for plan in plans:
-        _apply(plan)
+    missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
     model.__dict__[_SKIP_ATTR] = skipped
+    if missed:
+        tols = sorted({plan.config.svd_tol for plan in plans if plan.config.svd_tol is not None})
+        warnings.warn(f"tensorize_: TTConfig(svd_tol={'/'.join(f'{t:g}' for t in tols)}) not reached by "
+                      f"{len(missed)} layer(s): {'; '.join(missed)}. A larger rank reaches it, at the cost of "
+                      "parameters; compression_report(model) lists every layer's error.", UserWarning, stacklevel=2)
     return model
+
+
+def _names(fqns: list[str], limit: int = 8) -> str:
+    """``['a', 'b', ...]`` (the first ``limit`` names, then how many more)."""
+    more = f" and {len(fqns) - limit} more" if len(fqns) > limit else ""
+    return f"{[f or '<the model itself>' for f in fqns[:limit]]}{more}"
 
 
 def densify_(model: nn.Module) -> nn.Module:
@@ -833,9 +884,10 @@ class LayerReport:
     dense_params: int
     tt_params: int  # cores + gates
     init: str
-    init_error: float | None
+    init_error: float | None  # init="svd": the relative error TT-SVD reached
     matrix_shape: tuple[int, int] = (0, 0)  # the TT matrix [rows, cols] (Linear: [in, out])
     shared_with: tuple[str, ...] = ()  # other modules whose weight is this TT (tied="share")
+    svd_tol: float | None = None  # the tolerance asked for (TTConfig.svd_tol); not reached if init_error > it
 
     @property
     def ratio(self) -> float:
@@ -868,6 +920,8 @@ class CompressionReport:
         rows = []
         for lay in self.layers:
             note = [] if lay.init_error is None else [f"svd err {lay.init_error:.3g}"]
+            if lay.init_error is not None and lay.svd_tol is not None and lay.init_error > lay.svd_tol:
+                note[-1] += f" > svd_tol {lay.svd_tol:g}"
             if lay.shared_with:
                 note.append(f"shared with {', '.join(lay.shared_with)}")
             w, logical = lay.weight_shape, lay.matrix_shape
@@ -908,7 +962,7 @@ def compression_report(model: nn.Module) -> CompressionReport:
             ranks=spec.ranks, dense_params=spec.dense_params,
             tt_params=sum(t.numel() for t in list(layer.cores) + list(layer.gates)),
             init=p.init, init_error=p.init_error, matrix_shape=(spec.rows, spec.cols),
-            shared_with=layer.shared_with,
+            shared_with=layer.shared_with, svd_tol=p.svd_tol,
         ))
     params = {id(t): t.numel() for t in model.parameters()}
     other = sum(n for i, n in params.items() if i not in tt_param_ids)

@@ -2,6 +2,8 @@
 
 import copy
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -384,8 +386,8 @@ def test_tensorizing_again_refactors_the_layer():
     (row,) = compression_report(lin).layers
     err = (reference_weight(third.cores, third.gates, third.spec) - w).norm() / w.norm()
     assert row.init_error == pytest.approx(err.item(), rel=1e-3)
-    # init="random" with another layout: new random cores of that layout.
-    tensorize_(lin, TTConfig(rank=5, fmt="ttm", min_size=0))
+    # init="random" with another layout: new random cores of that layout (asked for by refactor=True).
+    tensorize_(lin, TTConfig(rank=5, fmt="ttm", min_size=0), refactor=True)
     (fourth,) = list(iter_tt_layers(lin))
     assert fourth.spec.fmt == "ttm" and max(fourth.spec.ranks) == 5
     assert list(lin.parametrizations.weight) == [tt_param(lin)]  # one parametrization, not stacked
@@ -763,3 +765,82 @@ def test_compiled_bf16_tt_layer_fed_fp32_under_autocast_matches_eager(fmt, token
     report = explain(inside, x, options={"inner": "aot_eager"})
     assert [r.kind for r in report.rewrites] == ["tt_linear"], str(report)
     torch.testing.assert_close(report.output, want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_filter_fn_that_selects_no_layer_raises_like_a_config_key():
+    """A filter_fn that returns False for every layer it is asked about raises before any layer
+    changes, as a config key that matches no layer does, naming the layers it was asked about."""
+    torch.manual_seed(0)
+    m = Tiny()
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(ValueError, match=r"filter_fn returned False for every layer it was asked about "
+                                         r"\(3: \['emb', 'fc1', 'fc2'\]\)"):
+        tensorize_(m, TTConfig(rank=4, min_size=0), filter_fn=lambda mod, fqn: fqn == "fc3")
+    # With a config dict it is asked only about the layers the dict selects.
+    with pytest.raises(ValueError, match=r"filter_fn returned False for every layer.*\(1: \['fc1'\]\)"):
+        tensorize_(m, {"fc1": TTConfig(rank=4, min_size=0)}, filter_fn=lambda mod, fqn: fqn == "fc2")
+    assert list(iter_tt_layers(m)) == []
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    # A selected layer that cannot be tensorized is not a silent no-op: the report gives the reason.
+    tensorize_(m, TTConfig(rank=4), filter_fn=lambda mod, fqn: fqn == "fc1")
+    assert list(iter_tt_layers(m)) == []
+    assert "min_size" in {s.fqn: s.reason for s in compression_report(m).skipped}["fc1"]
+
+
+def test_random_init_of_an_already_tensorized_layer_needs_refactor():
+    """init='random' on a TT layer would throw its trained cores away: it raises naming the layers
+    unless refactor=True; init='svd' re-factors the current weight and needs no flag."""
+    m = _tensorized_tiny(seed=0)
+    with torch.no_grad():
+        m.fc1.parametrizations.weight[0].core_flat.mul_(1.5)  # "trained"
+    trained = {k: v.clone() for k, v in m.state_dict().items()}
+    w = m.fc1.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"init='random' would replace the cores of the already tensorized "
+                                         r"layer\(s\) \['emb', 'fc1'\].*refactor=True.*init='svd'"):
+        tensorize_(m, TTConfig(rank=4, min_size=0))
+    with pytest.raises(ValueError, match=r"already tensorized layer\(s\) \['fc1'\]"):
+        tensorize_(m, {"fc1": TTConfig(rank=4, min_size=0, fmt="ttm"), "_default": None})
+    assert m.state_dict().keys() == trained.keys()
+    assert all(torch.equal(trained[k], v) for k, v in m.state_dict().items())  # nothing changed
+    # A call that leaves the TT layers out still tensorizes the others.
+    tensorize_(m, TTConfig(rank=4, min_size=0, fmt="ttm"), filter_fn=lambda mod, fqn: fqn == "fc2")
+    assert "fc2" in {layer.fqn for layer in iter_tt_layers(m)}
+    torch.testing.assert_close(m.fc1.weight, w)
+    # init="svd" re-factors the current weight (exactly, at a rank that holds it): no flag needed.
+    tensorize_(m, {"fc1": TTConfig(rank=64, init="svd", min_size=0, fmt="tt"), "_default": None})
+    torch.testing.assert_close(m.fc1.weight, w, rtol=1e-4, atol=1e-5)
+    # refactor=True: new random cores, as asked.
+    tensorize_(m, {"fc1": TTConfig(rank=3, min_size=0, fmt="ttm"), "_default": None}, refactor=True)
+    (fc1,) = [layer for layer in iter_tt_layers(m) if layer.fqn == "fc1"]
+    assert fc1.spec.fmt == "ttm" and max(fc1.spec.ranks) == 3
+
+
+def test_svd_tolerance_not_reached_warns_and_is_recorded():
+    """svd_tol is a target the rank cap may stop short of: the reached per-layer error is recorded
+    (TTParametrization.init_error, compression_report) and a warning names the layer, the error and
+    the capped bonds."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(dict(noisy=nn.Linear(96, 96), low=nn.Linear(96, 96)))
+    with torch.no_grad():
+        model["low"].weight.copy_(_tt_weight("tt", (6, 4, 4), (4, 4, 6), 2, 96, 96, True).float())
+    modes = ((6, 4, 4), (4, 4, 6))
+    dense = {name: model[name].weight.detach().double().clone() for name in model}
+    with pytest.warns(UserWarning, match=r"svd_tol=0.05\) not reached by 1 layer\(s\): 'noisy': relative error "
+                                         r"0\.[5-9]\d* > 0.05, stopped by the rank cap \(rank=4\) at bond\(s\) \[1,"):
+        tensorize_(model, TTConfig(rank=4, modes=modes, init="svd", svd_tol=0.05, min_size=0, fmt="tt"))
+    rows = {lay.fqn: lay for lay in compression_report(model).layers}
+    for name in ("noisy", "low"):  # the recorded error is the one of the cores the layer computes with
+        p = tt_param(model[name])
+        err = (reference_weight(p.cores, p.gates, p.spec) - dense[name]).norm() / dense[name].norm()
+        assert p.init_error == rows[name].init_error == pytest.approx(err.item(), rel=1e-3, abs=1e-6)
+        assert p.svd_tol == rows[name].svd_tol == 0.05
+    assert rows["noisy"].init_error > 0.5 and rows["low"].init_error < 0.05
+    lines = {line.split()[0]: line for line in str(compression_report(model)).splitlines()}
+    assert re.search(r"svd err 0\.\d+ > svd_tol 0.05", lines["noisy"]) and "svd_tol" not in lines["low"]
+    # Reached: no warning.
+    model = nn.ModuleDict(dict(low=nn.Linear(96, 96)))
+    with torch.no_grad():
+        model["low"].weight.copy_(_tt_weight("tt", (6, 4, 4), (4, 4, 6), 2, 96, 96, True).float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensorize_(model, TTConfig(rank=4, modes=modes, init="svd", svd_tol=0.05, min_size=0, fmt="tt"))
