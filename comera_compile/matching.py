@@ -12,7 +12,11 @@ built-in or custom, the same answers:
 * :func:`bind`: the node's arguments by parameter name, defaults filled in, whether they were passed
   positionally or by keyword (``F.cross_entropy(input=..., target=...)``);
 * :meth:`Bound.blocking`: the first argument a pass does not understand (``alpha=2.0``,
-  ``rounding_mode='floor'``, ``out=``, an in-place variant), so that it can leave the node alone and say why.
+  ``rounding_mode='floor'``, ``out=``, an in-place variant), so that it can leave the node alone and say why;
+* :func:`written_inputs` / :func:`first_write`: which tensors a node writes in place, and the first
+  node of a stretch of the graph that writes into (a view or alias of) given values. A Dynamo graph is
+  not functional: after ``h += 1`` the later uses of ``h`` are the same node, so a rewrite that moves a
+  read of ``h`` across that write changes the result.
 
 Example (a pass that only handles a plain ``a + b``)::
 
@@ -40,7 +44,8 @@ __all__ = [
     "ADD", "ADDMM", "CAST", "CROSS_ENTROPY", "DIV", "EMBEDDING", "FLATTEN", "GETITEM", "IDENTITY",
     "LINEAR", "LINEAR_CROSS_ENTROPY", "LOG_SOFTMAX", "MATMUL", "MUL", "NARROW", "NLL_LOSS", "PERMUTE",
     "RESHAPE", "SELECT", "SQUEEZE", "SUB", "TANH", "TRANSPOSE", "UNFLATTEN", "UNSQUEEZE",
-    "Bound", "bind", "call_name", "describe", "is_call", "is_inplace", "is_method", "same_size",
+    "Bound", "bind", "call_name", "describe", "first_write", "graph_values", "is_call", "is_inplace", "is_method", "nodes_between",
+    "same_size", "written_inputs",
 ]
 
 
@@ -111,6 +116,129 @@ def is_inplace(node: Any) -> bool:
         return True
     name = call_name(node)
     return name.endswith("_") and not name.startswith("_")
+
+
+# Methods whose name ends in "_" but that change no tensor's values.
+_METADATA_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
+
+
+def graph_values(value: Any) -> list[fx.Node]:
+    """The graph values inside an argument (lists, tuples and dicts flattened)."""
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in graph_values(v)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in graph_values(v)]
+    return []
+
+
+def _first_input(node: fx.Node) -> Any:
+    if node.args:
+        return node.args[0]
+    return next((node.kwargs[k] for k in ("input", "self") if k in node.kwargs), None)
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """``inplace=True`` given by keyword or by position (``F.relu(x, True)``)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _schema_writes(node: fx.Node) -> list[fx.Node] | None:
+    """The arguments an ``OpOverload`` writes (by its schema); ``None`` (any input) for a packet with
+    a mutable overload, whose overload is picked at run time."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, name)._schema for name in target.overloads()]
+        return None if any(s.is_mutable for s in schemas) else []
+    schema = target._schema
+    if not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            written.extend(graph_values(value))
+    return written
+
+
+def written_inputs(node: fx.Node) -> list[fx.Node] | None:
+    """The graph values ``node`` writes into in place: ``[]`` when it writes none, ``None`` when it
+    may write any of its inputs (a submodule or an op whose effects this module cannot read).
+
+    Writes are in-place methods and functions (``x.mul_(2)``, ``torch.relu_(x)``, ``x += 1``,
+    ``x[i] = v``), ``inplace=True`` (``F.relu(x, inplace=True)``), ``out=`` and the written
+    arguments of a mutable ``torch.ops`` schema.
+    """
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        try:
+            module = owner.get_submodule(node.target) if owner is not None else None
+        except AttributeError:
+            module = None
+        builtin = module is not None and type(module).__module__.startswith("torch.nn.modules")
+        return [] if builtin and not getattr(module, "inplace", False) else None
+    if node.op not in ("call_function", "call_method"):
+        return []
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _schema_writes(node)
+    written: list[fx.Node] = []
+    if (is_inplace(node) and call_name(node) not in _METADATA_ONLY) or _inplace_flag(node):
+        written.extend(graph_values(_first_input(node)))
+    written.extend(graph_values(node.kwargs.get("out")))
+    return written
+
+
+def _storage(value: Any) -> Any:
+    """A hashable identity of the memory behind a node's (fake) tensor value, or ``None``."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    v = value.meta.get("example_value", value.meta.get("val")) if isinstance(value, fx.Node) else value
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # no storage (e.g. some subclasses): fall back to identity
+        return None
+
+
+def first_write(nodes: Iterable[fx.Node], values: Iterable[Any]) -> tuple[fx.Node, fx.Node] | None:
+    """The first of ``nodes`` that writes into one of ``values`` or a view or alias of one (the
+    same memory, by the fake tensors' storages), as ``(writer, written value)``; ``None`` if none does.
+    A node whose writes are unknown (:func:`written_inputs` is ``None``) counts as writing every
+    input it takes."""
+    guarded = [v for v in values if isinstance(v, fx.Node)]
+    storages = {s for s in map(_storage, guarded) if s is not None}
+    plain = {v for v in guarded if _storage(v) is None}
+
+    def aliases(value: fx.Node) -> bool:
+        s = _storage(value)
+        return value in plain or (s is not None and s in storages)
+
+    for node in nodes:
+        written = written_inputs(node)
+        if written is None:
+            written = graph_values(node.args) + graph_values(node.kwargs)
+        for value in written:
+            if aliases(value):
+                return node, value
+    return None
+
+
+def nodes_between(first: fx.Node, last: fx.Node) -> Iterator[fx.Node]:
+    """The nodes strictly after ``first`` and strictly before ``last``, in graph order."""
+    node = first.next
+    while node is not last and node.op != "root":
+        yield node
+        node = node.next
 
 
 def describe(node: Any) -> str:

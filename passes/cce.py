@@ -17,6 +17,11 @@ The fused op gets the rows of ``h`` that reach the loss: the row ops of the path
 they commute with the projection, so row ``r`` of the result is the hidden state whose logits the
 loss pairs with target ``r``, in the same order. Scalings are folded into ``h`` and the bias.
 
+The fused op reads ``h``, ``W``, the bias and any index tensor of the row ops where the loss is, not
+where the projection was. So a write between the two into any of them, or into a view or alias of
+one (``h += 1``, ``h[0] = 0``, ``F.relu(h, inplace=True)`` on an aux branch), leaves the loss as it is,
+naming the write: eager computed the logits before it.
+
 Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
 fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
 and ``explain`` shows the argument or node that blocked it. So does the cost rule
@@ -586,6 +591,10 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
 
     proj, vals = head.proj, head.values
     dtype = _projection_dtype(head)
+    if abs(vals.scale) > 1.0 and dtype != torch.float32:
+        # h * k can overflow a 16-bit dtype where eager's k * logits (in fp32 after the upcast) does not.
+        raise _Skip(f"scaling the logits by {vals.scale:g} would be folded into the {dtype} hidden states, where it "
+                    "can overflow; scale the hidden states before the projection instead (that form is fused)")
     h, w, b = _hidden_rows(emit, head), proj.weight, vals.bias
     if vals.scale != 1.0:
         h = emit.function(operator.mul, h, vals.scale)
@@ -594,7 +603,10 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
         w = emit.method("t", w)
     # Autocast (or a mixed-dtype model) computes the projection in `dtype`: do the same.
     h, w = (x if fake(x).dtype == dtype else emit.method("to", x, dtype) for x in (h, w))
-    if b is not None and fake(b).dtype != dtype:
+    # The projection's own bias is added in its dtype (autocast casts it); a bias added to the logits
+    # after their fp32 upcast stays fp32: the op adds it in fp32, as eager does.
+    chain_bias_fp32 = vals.bias is not None and vals.bias is not proj.bias and fake(vals.bias).dtype == torch.float32
+    if b is not None and fake(b).dtype != dtype and not chain_bias_fp32:
         b = emit.method("to", b, dtype)
     opts = ctx.options
     eps = opts.cce_filter_eps if opts.cce_filter_eps is not None else default_filter_eps(dtype)
@@ -661,6 +673,20 @@ def _detail(head: _Head, ctx: PassContext) -> str:
             f"path={_strategy(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)}")
 
 
+def _check_no_write(head: _Head) -> None:
+    """Decline when a node between the projection and the loss writes into what the fused op reads
+    there (the hidden states, the weight, the bias, an index tensor of the row ops), or into a view or
+    alias of it: eager formed the logits from the values before the write."""
+    read = [head.proj.h, head.proj.weight, head.proj.bias, head.values.bias]
+    read += [n for _, args in head.rows for n in M.graph_values(args)]
+    hit = M.first_write(M.nodes_between(head.proj.node, head.loss), read)
+    if hit is not None:
+        writer, value = hit
+        raise _Skip(f"{M.describe(writer)} writes in place into {value.name} (read by the projection "
+                    f"{M.describe(head.proj.node)}, or a view of what it reads) before the loss: eager formed the "
+                    "logits before that write, the fused op would read after it")
+
+
 def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
     """Match, check and commit one candidate loss; records the rewrite or the reason it was left alone."""
     import comera_compile.kernels.linear_cross_entropy  # noqa: F401  (defines the op)
@@ -672,6 +698,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
         if head is None:
             return False
         where = module_name(head.proj.node) or where
+        _check_no_write(head)
         reason = _pays(head, ctx)
         if reason is not None:
             raise _Skip(reason)

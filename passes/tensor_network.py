@@ -170,6 +170,18 @@ def _check_shapes(site: _Site) -> None:
                            "and so does the original call, which is kept")
 
 
+def _check_no_write(site: _Site, graph: fx.Graph) -> None:
+    """Decline a site whose flat cores or gates are written in place anywhere in the graph: the
+    lowering forms the weight (or its factors) in one batched call before the group's first site,
+    not where eager materialized it, so a write in between would change what it reads."""
+    meta = site.meta()
+    hit = M.first_write(graph.nodes, [meta.core_flat, meta.gate_flat])
+    if hit is not None:
+        raise _Decline(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
+                       "the lowering reads them in one batched call ahead of the layer, eager where it "
+                       "materialized the weight")
+
+
 def _plan(site: _Site, ctx: PassContext) -> None:
     _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
     out = fake(site.node)
@@ -341,10 +353,16 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, g
     if len(batch) == 1:
         return batch
     order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(order[s.node] for s in batch)
+    batch.sort(key=lambda s: order[s.node])
+    first = order[batch[0].node]
     if not all(order[_parts(home[id(s)], s)[0]] < first for s in batch):
         return [site]
-    return sorted(batch, key=lambda s: order[s.node])
+    # The shared GEMM reads x before the first site; eager reads it at each one. Stop the batch at the
+    # first site that a write into x (or a view of it) separates from the first.
+    for k in range(1, len(batch)):
+        if M.first_write(M.nodes_between(batch[0].node, batch[k].node), [site.x]) is not None:
+            return batch[:k] if site in batch[:k] else [site]
+    return batch
 
 
 def _detail(site: _Site, group: _Group) -> str:
@@ -368,6 +386,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             if site is None:
                 continue
             _check_shapes(site)
+            _check_no_write(site, graph)
             _plan(site, ctx)
         except _Decline as reason:
             ctx.skip(NAME, str(reason), module_name(node))

@@ -337,3 +337,224 @@ def test_cost_rule_leaves_small_vocabularies_alone_by_default():
     report = _against_eager(fn, vocab=3, options={"cce_min_vocab": None})
     ok, reason = fused_loss_pays(10, 8, 3, torch.float32, "cpu")
     assert not ok and report.rewrites == [] and _cce_skips(report) == [reason]
+
+
+# --- never a wrong number: writes between the head and the loss, scales and biases at the edges ------
+
+def _idx_write(h, W, b, y):
+    idx = torch.arange(3)
+    logits = F.linear(h, W)[:, idx]
+    idx.add_(1)
+    return F.cross_entropy(logits.flatten(0, 1), y[:, :3].flatten())
+
+
+def _written(kind):
+    """A head whose hidden states, weight, bias or row index is written in place after the projection."""
+    def fn(h, W, b, y):
+        h, W, b = h * 1.0, W * 1.0, b * 1.0  # non-leaf copies: eager allows writing into them
+        logits = F.linear(h, W, b if kind == "bias" else None)
+        aux = None
+        if kind == "iadd":
+            h += 1
+        elif kind == "mul_":
+            h.mul_(0.5)
+        elif kind == "setitem":
+            h[0] = 0
+        elif kind == "relu_module_aux":
+            aux = nn.ReLU(inplace=True)(h)
+        elif kind == "relu_positional":
+            F.relu(h, True)
+        elif kind == "out":
+            torch.mul(h, 2.0, out=h)
+        elif kind == "view_alias":
+            h.view(-1).add_(1)
+        elif kind == "weight":
+            W.mul_(2)
+        elif kind == "weight_transposed_alias":
+            W.t().mul_(2)
+        elif kind == "bias":
+            b.zero_()
+        loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+        return loss + aux.mean() if aux is not None else loss
+    return fn
+
+
+WRITES = ["iadd", "mul_", "setitem", "relu_module_aux", "relu_positional", "out", "view_alias", "weight",
+          "weight_transposed_alias", "bias"]
+
+
+def _with_grads_of(fn, trainable, B=2, T=5, hidden=8):
+    """``fn(h, W, b, y)`` compiled (aot_eager) vs eager, with gradients for the inputs in ``trainable``
+    only (eager refuses a backward through a value it saved and that was then written); returns the
+    explain report."""
+    g = torch.Generator().manual_seed(10)
+    h0, W0, b0 = torch.randn(B, T, hidden, generator=g), torch.randn(V, hidden, generator=g), torch.randn(V, generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    results = []
+    for compiled in (False, True):
+        ins = [t.clone().requires_grad_(name in trainable) for name, t in zip("hWb", (h0, W0, b0))]
+        with torch.enable_grad() if trainable else torch.no_grad():
+            if compiled:
+                torch._dynamo.reset()
+                report = cc.explain(fn, *ins, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+                loss = report.output
+            else:
+                loss = fn(*ins, y)
+        grads = torch.autograd.grad(loss, [t for t in ins if t.requires_grad]) if trainable else ()
+        results.append((loss.detach(), grads))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, e in zip(grads, ref_grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    return report
+
+
+@pytest.mark.parametrize("trainable", ["", "h"])
+@pytest.mark.parametrize("kind", WRITES + ["index"])
+def test_write_between_head_and_loss_is_left_alone_and_matches_eager(kind, trainable):
+    if trainable and kind in ("weight", "weight_transposed_alias", "index", "out"):
+        pytest.skip("eager's backward refuses this write (the projection saved the written value, or out=)")
+    report = _with_grads_of(_idx_write if kind == "index" else _written(kind), trainable)
+    assert report.rewrites == [], str(report)
+    assert "writes in place" in _cce_skips(report)[0], _cce_skips(report)
+
+
+@pytest.mark.parametrize("kind", ["before_projection", "unrelated", "after_loss_on_a_copy"])
+def test_writes_that_change_nothing_the_op_reads_still_fuse(kind):
+    def fn(h, W, b, y):
+        h = h * 1.0
+        other = b * 1.0
+        if kind == "before_projection":
+            h += 1
+        logits = F.linear(h, W)
+        if kind == "unrelated":
+            other.mul_(3)
+        loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+        if kind == "after_loss_on_a_copy":
+            other.add_(1)
+        return loss + other.sum()
+
+    report = _with_grads_of(fn, "hWb")
+    assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "frozen_head"])
+def test_write_after_the_head_is_left_alone_in_eval_and_with_a_frozen_head(mode):
+    g = torch.Generator().manual_seed(0)
+    head = nn.Linear(8, V, bias=False)
+    if mode == "frozen_head":
+        head.requires_grad_(False)
+
+    def fn(x, y):
+        h = torch.tanh(x)
+        logits = head(h)
+        h.mul_(0.5)
+        return F.cross_entropy(logits.view(-1, V), y.view(-1))
+
+    x, y = torch.randn(2, 5, 8, generator=g), torch.randint(0, V, (2, 5), generator=g)
+    with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+        expected = fn(x, y)
+        report = cc.explain(fn, x, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    torch.testing.assert_close(report.output, expected)
+    assert report.rewrites == [] and "writes in place" in _cce_skips(report)[0]
+
+
+def test_write_after_the_head_with_default_options_and_inductor():
+    """The reported case: N=512, V=32000, default options (the cost rule fuses this head)."""
+    g = torch.Generator().manual_seed(0)
+    x0, W = torch.randn(512, 16, generator=g), torch.randn(32000, 16, generator=g) * 0.1
+    y = torch.randint(0, 32000, (512,), generator=g)
+
+    def fn(x, W, y):
+        h = x * 2.0
+        logits = F.linear(h, W)
+        h += 1
+        return F.cross_entropy(logits, y)
+
+    x = x0.clone().requires_grad_()
+    expected = fn(x, W, y)
+    (gx_ref,) = torch.autograd.grad(expected, x)
+    torch._dynamo.reset()
+    x = x0.clone().requires_grad_()
+    got = torch.compile(fn, backend="comera")(x, W, y)
+    (gx,) = torch.autograd.grad(got, x)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(gx, gx_ref)
+    torch._dynamo.reset()
+    report = cc.explain(fn, x0.clone().requires_grad_(), W, y)
+    assert "writes in place" in " ".join(_cce_skips(report)), str(report)
+
+
+def _fp16_head(scale_op):
+    def fn(h, W, b, y):
+        z = F.linear(h, W).float()
+        z = z * 64 if scale_op == "mul64" else z / 0.015625 if scale_op == "div" else z * 0.5
+        return F.cross_entropy(z.view(-1, V), y.view(-1))
+    return fn
+
+
+@pytest.mark.parametrize("scale_op", ["mul64", "div"])
+def test_fp16_scale_that_could_overflow_is_not_folded(scale_op):
+    """|h| ~ 1e3 in fp16: h * 64 overflows fp16 (65504), eager's fp32 logits * 64 does not."""
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(2, 5, 8, generator=g) * 1e3).half().requires_grad_()
+    W = (torch.randn(V, 8, generator=g) * 0.05).half().requires_grad_()
+    y = torch.randint(0, V, (2, 5), generator=g)
+    fn = _fp16_head(scale_op)
+    expected = fn(h, W, None, y)
+    ref_grads = torch.autograd.grad(expected, (h, W))
+    report = cc.explain(fn, h, W, None, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    grads = torch.autograd.grad(report.output, (h, W))
+    assert torch.isfinite(expected) and torch.isfinite(report.output)
+    torch.testing.assert_close(report.output, expected)
+    for a, e in zip(grads, ref_grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, e)
+    assert report.rewrites == [] and "overflow" in _cce_skips(report)[0]
+
+
+def test_fp16_scale_below_one_is_folded_and_matches_eager():
+    g = torch.Generator().manual_seed(1)
+    h, W = torch.randn(2, 5, 8, generator=g).half(), torch.randn(V, 8, generator=g).half()
+    y = torch.randint(0, V, (2, 5), generator=g)
+    fn = _fp16_head("half")
+    report = cc.explain(fn, h, W, None, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    assert [r.kind for r in report.rewrites] == ["cce"]
+    torch.testing.assert_close(report.output, fn(h, W, None, y), rtol=2e-3, atol=2e-3)
+
+
+def test_fp32_bias_after_fp16_upcast_keeps_eager_precision():
+    """fp16 logits ``.float() + b`` with an fp32 bias (|b| ~ 20): the bias is added in fp32, as eager
+    does; cast to fp16 first it cost 167x eager's error against float64."""
+    g = torch.Generator().manual_seed(2)
+    h, W = torch.randn(4, 16, 8, generator=g).half(), torch.randn(V, 8, generator=g).half()
+    b = torch.randn(V, generator=g) * 20
+    y = torch.randint(0, V, (4, 16), generator=g)
+
+    def fn(h, W, b, y):
+        return F.cross_entropy((F.linear(h, W).float() + b).view(-1, V), y.view(-1))
+
+    ref = F.cross_entropy((F.linear(h.double(), W.double()) + b.double()).view(-1, V), y.view(-1))
+    eager_err = abs(float(fn(h, W, b, y)) - float(ref))
+    report = cc.explain(fn, h, W, b, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    assert [r.kind for r in report.rewrites] == ["cce"]
+    assert abs(float(report.output) - float(ref)) <= 2 * eager_err + 1e-6, (float(report.output), float(ref))
+
+
+def test_confident_per_token_losses_are_never_negative(monkeypatch):
+    """reduction="none" with the target logit far above the rest, through the Triton kernels."""
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, generator=g)
+    y = torch.randint(0, 300, (64,), generator=g)
+    W = torch.randn(300, 32, generator=g) * 0.1
+    W[y] = 3.0 * h
+
+    def fn(h, W, y):
+        return F.cross_entropy(F.linear(h, W), y, reduction="none")
+
+    expected = fn(h, W, y)
+    report = cc.explain(fn, h, W, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    assert [r.kind for r in report.rewrites] == ["cce"]
+    assert (report.output >= 0).all(), report.output.min()
+    torch.testing.assert_close(report.output, expected, rtol=1e-5, atol=1e-4)

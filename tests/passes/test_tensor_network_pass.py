@@ -284,3 +284,70 @@ def test_arguments_the_lowering_does_not_reproduce_are_left_alone_by_name():
     reasons = " | ".join(s.reason for s in report.skipped)
     assert "scale_grad_by_freq=True" in reasons and "first operand" in reasons, reasons
     _check_same(model, copy.deepcopy(model), (idx,))
+
+
+# --- never a wrong number: writes between what the lowering reads early and where eager reads it -----
+
+class _SharedInput(nn.Module):
+    """Two factored TT layers reading the same activations, with an optional in-place write between."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.q = nn.Linear(24, 24, bias=False)
+        self.k = nn.Linear(24, 24, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        q = self.q(h)
+        if self.write == "iadd":
+            h += 1
+        elif self.write == "view":
+            h.view(-1)[:5] = 0.0
+        elif self.write == "cores":
+            with torch.no_grad():
+                self.k.parametrizations.weight[0].core_flat.mul_(0.5)
+        k = self.k(h)
+        return (q * k).sum()
+
+
+def _shared_input_model(write):
+    torch.manual_seed(0)
+    model = _SharedInput(write)
+    tensorize_(model, TTConfig(rank=4, min_size=0, fmt="tt"))
+    return model
+
+
+@pytest.mark.parametrize("write", ["iadd", "view"])
+def test_write_into_a_shared_input_splits_the_shared_gemm(write):
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    model, ref = _shared_input_model(write), _shared_input_model(write)
+    with torch.no_grad():  # eager's backward refuses a write into a value the first layer saved
+        expected = ref(x)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="comera", options={"inner": "aot_eager"})(x),
+                                   expected)
+        torch._dynamo.reset()
+        report = cc.explain(_shared_input_model(write), x, options={"inner": "aot_eager"})
+    assert "first factor computed in one GEMM" not in str(report), str(report)
+    assert sum(r.kind == "tt_linear" for r in report.rewrites) == 2, str(report)
+
+
+def test_unwritten_shared_input_still_shares_the_gemm():
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    report = cc.explain(_shared_input_model(None), x, options={"inner": "aot_eager"})
+    assert "first factor computed in one GEMM" in str(report), str(report)
+
+
+def test_write_into_the_cores_in_forward_keeps_the_layer_and_matches_eager():
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(1))
+    model, ref = _shared_input_model("cores"), _shared_input_model("cores")
+    with torch.no_grad():
+        expected = ref(x)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="comera", options={"inner": "aot_eager"})(x)
+    torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()
+    report = cc.explain(_shared_input_model("cores"), x, options={"inner": "aot_eager"})
+    reasons = [s.reason for s in report.skipped]
+    assert any("writes in place" in r and "cores or gates" in r for r in reasons), str(report)
