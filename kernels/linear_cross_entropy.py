@@ -84,10 +84,10 @@ def _check_tensors(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          f"batch_size ({target.numel()}); target must be [N], got {tuple(target.shape)}")
     if target.dtype != torch.int64:
         raise RuntimeError(f"linear_cross_entropy: target must be int64 (Long), got {target.dtype}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype not in (x.dtype, torch.float32)):
         raise RuntimeError(
-            f"linear_cross_entropy: x, weight and bias must have the same dtype, got {x.dtype}, "
-            f"{weight.dtype}{', ' + str(bias.dtype) if bias is not None else ''}")
+            f"linear_cross_entropy: x and weight must have the same dtype and bias that dtype or float32, got "
+            f"{x.dtype}, {weight.dtype}{', ' + str(bias.dtype) if bias is not None else ''}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"linear_cross_entropy: bias must be [V]={weight.shape[0]}, got {tuple(bias.shape)}")
 
@@ -128,6 +128,10 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 def _reduce(nll: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    # Every row's loss is >= 0 in exact arithmetic (lse >= max_v z_v >= z_target, and label smoothing
+    # only adds a cross-entropy against a distribution). The paths form the lse in a kernel and the
+    # target logit apart from it, which round differently: a confident row could come out at -1e-5.
+    nll = nll.clamp_min(0.0)
     if reduction == "none":
         return nll
     total = nll.sum()

@@ -598,13 +598,14 @@ if HAS_TRITON:
 
     @triton.jit
     def logits_grad_rows_kernel(
-        Z, T, PCoef, TCoef, SCoef, NLL, LSE, TZ,
-        V, szn, ignore_index, softcap, label_smoothing,
+        Z, T, PCoef, TCoef, SCoef, NLL, LSE, TZ, Bias,
+        V, szn, sb, ignore_index, softcap, label_smoothing,
         BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-        WRITE_GRAD: tl.constexpr,
+        WRITE_GRAD: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):
-        """One row of a logits chunk Z (raw x @ W.T + b): its loss, lse and softcapped target logit
-        (fp32), then, with WRITE_GRAD, d loss / d raw logits written over the row in Z's dtype.
+        """One row of a logits chunk Z (raw x @ W.T + b; with HAS_BIAS, raw x @ W.T and b is added
+        here in fp32): its loss, lse and softcapped target logit (fp32), then, with WRITE_GRAD,
+        d loss / d raw logits written over the row in Z's dtype.
         Here TCoef excludes softcap': the whole row's gradient is multiplied by it."""
         row = tl.program_id(0).to(tl.int64)
         zrow = Z + row * szn
@@ -617,6 +618,8 @@ if HAS_TRITON:
             offs = v0 + tl.arange(0, BLOCK_V)
             mask = offs < V
             z = tl.load(zrow + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                z += tl.load(Bias + offs * sb, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 z = softcap * stable_tanh(z / softcap)
             z = tl.where(mask, z, float("-inf"))
@@ -631,6 +634,8 @@ if HAS_TRITON:
         lse = m_row + tl.log(tl.sum(s * scale, 0))
         t_ok = valid & (t >= 0) & (t < V)
         zt = tl.load(zrow + tl.where(t_ok, t, 0)).to(tl.float32)
+        if HAS_BIAS:
+            zt += tl.load(Bias + tl.where(t_ok, t, 0) * sb).to(tl.float32)
         if HAS_SOFTCAP:
             zt = softcap * stable_tanh(zt / softcap)
         zsum = tl.sum(zs, 0)
@@ -648,6 +653,8 @@ if HAS_TRITON:
                 offs = v0 + tl.arange(0, BLOCK_V)
                 mask = offs < V
                 z = tl.load(zrow + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    z += tl.load(Bias + offs * sb, mask=mask, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
                     zc = stable_tanh(z / softcap)
                     z = softcap * zc

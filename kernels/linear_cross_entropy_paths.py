@@ -246,16 +246,20 @@ def _rows_torch(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_s
     return nll.float(), lse.float(), tz.float()
 
 
-def _rows_triton(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_smoothing, out):
+def _rows_triton(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_smoothing, out,
+                 bias: Optional[torch.Tensor] = None):
+    """The rows kernel over a logits chunk; ``bias`` (if given) is added to it in fp32 there."""
     cfg = current_tuning()
     rows, V = z.shape
     nll, lse, tz = out
     pc = coefs.pcoef if coefs is not None else nll
     logits_grad_rows_kernel[(rows,)](
         z, t, pc, coefs.tcoef if coefs is not None else pc, coefs.scoef if coefs is not None else pc,
-        nll, lse, tz, V, z.stride(0), int(ignore_index), float(softcap), float(label_smoothing),
+        nll, lse, tz, bias if bias is not None else nll, V, z.stride(0),
+        bias.stride(0) if bias is not None else 0, int(ignore_index), float(softcap), float(label_smoothing),
         BLOCK_V=min(cfg.rows_block_v, _pow2(V)), HAS_SOFTCAP=softcap > 0.0,
-        HAS_SMOOTH=label_smoothing > 0.0, WRITE_GRAD=coefs is not None, num_warps=cfg.rows_warps)
+        HAS_SMOOTH=label_smoothing > 0.0, WRITE_GRAD=coefs is not None, HAS_BIAS=bias is not None,
+        num_warps=cfg.rows_warps)
 
 
 def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float, ignore_index: int,
@@ -272,7 +276,9 @@ def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float,
     V = weight.shape[0]
     cdt = x.dtype if triton else compute_dtype(x)
     w = weight.to(cdt)
-    b = bias.to(cdt) if bias is not None else None
+    # An fp32 bias over 16-bit logits is added in fp32 by the rows kernel, not rounded into the chunk.
+    row_bias = bias if triton and bias is not None and bias.dtype != cdt else None
+    b = bias.to(cdt) if bias is not None and row_bias is None else None
     elem = torch.finfo(cdt).bits // 8
     rows, fp32_acc = chunk_plan(N, D, V, elem, budget, coefs is not None and need_dw)
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -296,7 +302,7 @@ def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float,
         part = GradCoefs(coefs.pcoef[i:j], coefs.tcoef[i:j], coefs.scoef[i:j]) if grads else None
         if triton:
             _rows_triton(z, target[i:j], part, softcap, ignore_index, label_smoothing,
-                         (nll[i:j], lse[i:j], tz[i:j]))
+                         (nll[i:j], lse[i:j], tz[i:j]), row_bias)
         else:
             nll[i:j], lse[i:j], tz[i:j] = _rows_torch(z, target[i:j], part, softcap, ignore_index,
                                                       label_smoothing)
