@@ -4,7 +4,6 @@ symbolic token counts without guards, plan time, and the FLOPs against torch.ein
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import sympy
@@ -103,26 +102,13 @@ def test_symbolic_token_count_uses_hint_without_guards():
     assert size_hint(sympy.Symbol("s0"), fallback=123) == 123
 
 
-@pytest.mark.parametrize("args", [COMERA_768 + (4096,), COMERA_3072 + (32768,), TTM_4096 + (8192,),
-                                  ("tt", (4, 4, 4, 4), (4, 4, 4, 4), (1, 4, 16, 32, 32, 32, 16, 4, 1), 8192),
-                                  ("ttm", (4,) * 6, (4,) * 6, (1,) + (16,) * 5 + (1,), 4096)],
-                         ids=["comera768", "comera3072", "ttm4096", "tt8", "ttm6"])
-def test_plan_time_under_15ms(args):
-    best = float("inf")
-    for _ in range(3):
-        planner.clear_plan_cache()
-        t0 = time.perf_counter()
-        plan_tt_linear(*args)
-        best = min(best, time.perf_counter() - t0)
-    assert best <= 15e-3
-
-
 def test_plans_are_cached():
-    plan_tt_linear(*COMERA_768, 4096)
-    t0 = time.perf_counter()
-    for _ in range(100):
-        plan_tt_linear(*COMERA_768, 4096)
-    assert (time.perf_counter() - t0) / 100 < 1e-4
+    """The second call returns the cached plan (planning time is measured in benchmarks/bench_planner.py)."""
+    planner.clear_plan_cache()
+    first = plan_tt_linear(*COMERA_768, 4096)
+    assert plan_tt_linear(*COMERA_768, 4096) is first
+    planner.clear_plan_cache()
+    assert plan_tt_linear(*COMERA_768, 4096) is not first
 
 
 @pytest.mark.parametrize("args,ratio", [(COMERA_768, 0.6), (COMERA_3072, 0.7), (TTM_4096, 1.0)],
