@@ -218,8 +218,8 @@ def _inputs(p: Program, seed: int):
     return [h, W, W.t().contiguous(), torch.randn(p.V, generator=g)], y
 
 
-def _run(fn, leaves, y, compiled: bool):
-    leaves = [t.clone().requires_grad_() for t in leaves]
+def _run(fn, leaves, y, compiled: bool, backward: bool = True):
+    leaves = [t.clone().requires_grad_(backward) for t in leaves]
     report = None
     if compiled:
         torch._dynamo.reset()
@@ -228,6 +228,8 @@ def _run(fn, leaves, y, compiled: bool):
             loss = torch.compile(fn, backend="comera", options={"inner": "aot_eager", "cce_min_vocab": 0})(*leaves, y)
     else:
         loss = fn(*leaves, y)
+    if not backward:
+        return loss.detach(), [], report
     loss.sum().backward()
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
     return loss.detach(), grads, report
@@ -275,3 +277,145 @@ def test_fuzz_cce_matches_eager():
     share = sum(outcomes) / max(len(outcomes), 1)
     print(f"cce fuzzer: {len(outcomes)} programs, {share:.0%} rewritten")
     assert len(outcomes) >= min(EXAMPLES, 50) and share >= MIN_REWRITTEN, (len(outcomes), share)
+
+
+# --- the edges: in-place writes around the head, 16-bit casts with scales and biases, confident rows ---
+
+EDGE_EXAMPLES = int(os.environ.get("COMERA_FUZZ_EDGE_EXAMPLES", "100"))
+_WRITES = ["{t} += 1", "{t}.mul_(0.5)", "{t}[0] = 0", "torch.relu_({t})", "F.relu({t}, inplace=True)",
+           "{t}.view(-1)[:1] = 2.0", "torch.nn.ReLU(inplace=True)({t})", "torch.mul({t}, 2.0, out={t})"]
+
+
+@dataclass
+class EdgeProgram(Program):
+    """A program of one edge class: ``kind`` is "write", "dtype" or "confident"."""
+
+    kind: str = "dtype"
+    dtype: str = "float32"
+    h_scale: float = 1.0
+    where: str = ""  # for "write": before the projection, between it and the loss, or after the loss
+
+    def __repr__(self) -> str:
+        return f"EdgeProgram(kind={self.kind}, dtype={self.dtype}, h_scale={self.h_scale}) " + super().__repr__()
+
+
+def _reduction(draw) -> str:
+    return draw(st.sampled_from(["", ", reduction='sum'", ", reduction='none'"]))
+
+
+@st.composite
+def edge_programs(draw) -> EdgeProgram:
+    kind = draw(st.sampled_from(["write", "dtype", "confident"]))
+    p = EdgeProgram(B=draw(st.integers(1, 3)), T=draw(st.integers(1, 5)), D=draw(st.integers(2, 9)),
+                    V=draw(st.integers(3, 13)) if kind != "confident" else 40, ignore_index=-100, kind=kind)
+    loss = f"F.cross_entropy(z.reshape(-1, {p.V}), y.reshape(-1){_reduction(draw)})"
+    if kind == "write":
+        p.where = draw(st.sampled_from(["before", "between", "between", "after"]))
+        target = draw(st.sampled_from(["h", "W", "b", "h.view(-1)"]))
+        writes = [w for w in _WRITES if "." not in target or not w.startswith("{t} +=")]  # no `h.view(-1) += 1`
+        write = draw(st.sampled_from(writes)).format(t=target)
+        proj = draw(st.sampled_from(["F.linear(h, W, b)", "h @ W.t() + b", "F.linear(h, W) + b", "torch.matmul(h, W.T)"]))
+        p.lines += ["h, W, b = h * 1.0, W * 1.0, b * 1.0", *([write] if p.where == "before" else []), f"z = {proj}",
+                    *([write] if p.where == "between" else []), f"loss = {loss}",
+                    *([write] if p.where == "after" else []), "return loss"]
+    elif kind == "dtype":
+        p.dtype = draw(st.sampled_from(["float16", "bfloat16", "float32"]))
+        p.h_scale = draw(st.sampled_from([1.0, 1e2, 1e3]))
+        lines = [draw(st.sampled_from(["z = F.linear(h, W)", "z = F.linear(h, W, b.to(h.dtype))", "z = h @ W.t()"]))]
+        upcast = draw(st.booleans())
+        if upcast:
+            lines.append(draw(st.sampled_from(["z = z.float()", "z = z.to(torch.float32)"])))
+        for _ in range(draw(st.integers(0, 2))):
+            c = draw(st.sampled_from([0.015625, 0.5, 0.7, 2.0, 64.0]))
+            lines.append(draw(st.sampled_from([f"z = z * {c}", f"z = z / {c}", f"z = {c} * z"])))
+        if upcast and draw(st.booleans()):
+            lines.insert(2, "z = z + b")  # the fp32 bias, added after the upcast
+        p.lines += lines + [f"return {loss}"]
+    else:
+        p.lines += ["z = F.linear(h, W)", f"return F.cross_entropy(z.reshape(-1, {p.V}), y.reshape(-1), reduction='none')"]
+    return p
+
+
+def _edge_inputs(p: EdgeProgram, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(p.B, p.T, p.D, generator=g) * p.h_scale
+    W = torch.randn(p.V, p.D, generator=g) / p.D ** 0.5
+    y = torch.randint(0, p.V, (p.B, p.T), generator=g)
+    if p.kind == "confident":  # the target logit ~ 3 |h|^2 far above the others: eager's loss is 0
+        W = W * 0.1
+        W[y.reshape(-1)] = 3.0 * h.reshape(-1, p.D)
+        y = y.clone()
+    b = torch.randn(p.V, generator=g) * 20
+    dt = getattr(torch, p.dtype)
+    return [h.to(dt), W.to(dt), W.t().contiguous().to(dt), b], y
+
+
+def _err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_edge_program(p: EdgeProgram) -> bool:
+    """Compiled against eager for one edge program; returns whether the cce pass rewrote it.
+    * write: the values (no backward: eager refuses one through a value that was written after use);
+      a write between the projection and the loss is never fused over;
+    * dtype: against the same program run on the inputs' exact fp32 values, compiled is within 3x
+      eager's error, finite wherever eager is;
+    * confident: through the Triton kernels, no per-token loss below 0, and equal to eager."""
+    namespace = {"torch": torch, "F": F}
+    exec(compile(p.source, "<fuzz program>", "exec"), namespace)
+    fn = namespace["program"]
+    leaves, y = _edge_inputs(p, seed=len(p.source))
+    grads = p.kind != "write"
+    saved = os.environ.get("COMERA_FORCE_TRITON")
+    if p.kind == "confident":
+        os.environ["COMERA_FORCE_TRITON"] = "1"
+    try:
+        with torch.enable_grad() if grads else torch.no_grad():
+            ref, ref_grads, _ = _run(fn, leaves, y, compiled=False, backward=grads)
+            out, got_grads, report = _run(fn, leaves, y, compiled=True, backward=grads)
+    finally:
+        if saved is None:
+            os.environ.pop("COMERA_FORCE_TRITON", None)
+        else:
+            os.environ["COMERA_FORCE_TRITON"] = saved
+    rewritten = any(r.kind == "cce" for r in report.rewrites)
+    reasons = [s.reason for s in report.skipped if s.kind == "cce"]
+    assert rewritten or any(reasons), str(report)
+    if p.kind == "write":
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+        if p.where == "between" and "h * 1.0" in p.source:
+            assert not rewritten and any("writes in place" in r for r in reasons), str(report)
+    elif p.kind == "confident":
+        assert (out >= 0).all(), out.min()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    else:
+        exact, exact_grads, _ = _run(fn, [t.float() for t in leaves], y, compiled=False, backward=True)
+        if torch.isfinite(ref).all():
+            assert torch.isfinite(out).all(), (out, ref)
+            assert _err(out, exact) <= 3 * _err(ref, exact) + 1e-6, (_err(out, exact), _err(ref, exact))
+        for name, a, e, x in zip(("h", "W", "Wt", "b"), got_grads, ref_grads, exact_grads):
+            if torch.isfinite(e).all() and e.abs().sum() > 0:
+                assert torch.isfinite(a).all(), name
+                assert _err(a, x) <= 3 * _err(e, x) + 2.0**-10, (name, _err(a, x), _err(e, x))
+    return rewritten
+
+
+@pytest.mark.fuzz
+def test_fuzz_cce_edges_match_eager():
+    print(f"cce edge fuzzer: {EDGE_EXAMPLES} examples, " + (f"COMERA_FUZZ_SEED={SEED}" if SEED else "derandomized"))
+    outcomes: list[bool] = []
+    kinds: set[str] = set()
+
+    @hypothesis.settings(_settings(), max_examples=EDGE_EXAMPLES)
+    @hypothesis.given(edge_programs())
+    def run(program):
+        hypothesis.note(repr(program))
+        kinds.add(program.kind)
+        outcomes.append(check_edge_program(program))
+
+    if SEED is not None:
+        run = hypothesis.seed(int(SEED))(run)
+    run()
+    print(f"cce edge fuzzer: {len(outcomes)} programs, {sum(outcomes) / max(len(outcomes), 1):.0%} rewritten")
+    assert kinds == {"write", "dtype", "confident"} and any(outcomes), (kinds, outcomes)
