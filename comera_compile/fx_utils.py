@@ -102,6 +102,21 @@ def fake(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def autocast_enabled_at(node: fx.Node, device: str) -> bool:
+    """Whether autocast for ``device`` is on where ``node`` runs: around the compiled call, or in an
+    autocast region of the traced code (``_enter_autocast`` / ``_exit_autocast`` nodes) before it.
+    Outside autocast eager refuses mixed dtypes in a matmul, which fake tensors do not check."""
+    enabled = [torch.is_autocast_enabled(device)]
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
+            enabled.append(bool(n.args[2]) if n.args[:1] == (device,) and len(n.args) > 2 else enabled[-1])
+        elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast and len(enabled) > 1:
+            enabled.pop()
+    return enabled[-1]
+
+
 def iter_graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[str, fx.GraphModule]]:
     """The graph and every nested higher-order-op subgraph (checkpoint bodies, cond branches...)."""
     yield prefix, gm

@@ -37,7 +37,15 @@ import torch.nn.functional as F
 
 from comera_compile import matching as M
 from comera_compile import tt_runtime
-from comera_compile.fx_utils import RewriteRejected, checked_replace, erase_unused, fake, fake_node, module_name
+from comera_compile.fx_utils import (
+    RewriteRejected,
+    autocast_enabled_at,
+    checked_replace,
+    erase_unused,
+    fake,
+    fake_node,
+    module_name,
+)
 from comera_compile.pass_manager import REGISTRY, PassContext
 from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear, size_hint
 
@@ -156,16 +164,7 @@ def _check_shapes(site: _Site) -> None:
     if len(dtypes) > 1:
         # Outside autocast eager raises on mixed dtypes (fake tensors do not): keep the original call,
         # which raises the same way. Autocast (ambient, or a region of the traced code) mixes them.
-        device = fx_.device.type
-        enabled = [torch.is_autocast_enabled(device)]
-        for n in site.node.graph.nodes:
-            if n is site.node:
-                break
-            if n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast:
-                enabled.append(bool(n.args[2]) if n.args[:1] == (device,) and len(n.args) > 2 else enabled[-1])
-            elif n.op == "call_function" and n.target is torch.amp.autocast_mode._exit_autocast and len(enabled) > 1:
-                enabled.pop()
-        if not enabled[-1]:
+        if not autocast_enabled_at(site.node, fx_.device.type):
             raise _Decline(f"mixed dtypes {sorted(str(d) for d in dtypes)} outside autocast: eager raises, "
                            "and so does the original call, which is kept")
 

@@ -558,3 +558,36 @@ def test_confident_per_token_losses_are_never_negative(monkeypatch):
     assert [r.kind for r in report.rewrites] == ["cce"]
     assert (report.output >= 0).all(), report.output.min()
     torch.testing.assert_close(report.output, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_mixed_dtype_head_outside_autocast_raises_like_eager():
+    """fp32 hidden states into a bf16 head: eager's matmul raises; fake tensors do not check, so the
+    fused op would have computed a loss. The original call is kept, and raises the same way."""
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(8, 16, generator=g), torch.randn(V, 16, generator=g).bfloat16()
+    y = torch.randint(0, V, (8,), generator=g)
+
+    def fn(h, W, y):
+        return F.cross_entropy(F.linear(h, W).float(), y)
+
+    with pytest.raises(RuntimeError, match="dtype") as eager:
+        fn(h, W, y)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="dtype") as compiled:
+        torch.compile(fn, backend="comera", options={"inner": "aot_eager", "cce_min_vocab": 0})(h, W, y)
+    assert type(compiled.value) is type(eager.value) or isinstance(compiled.value, RuntimeError)
+
+
+def test_mixed_dtype_head_under_autocast_is_fused_and_matches_eager():
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(8, 16, generator=g), torch.randn(V, 16, generator=g)
+    y = torch.randint(0, V, (8,), generator=g)
+
+    def fn(h, W, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = F.linear(h, W)
+        return F.cross_entropy(z.float(), y)
+
+    report = cc.explain(fn, h, W, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
+    assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+    torch.testing.assert_close(report.output, fn(h, W, y), rtol=1e-2, atol=1e-2)
