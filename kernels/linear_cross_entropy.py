@@ -2,7 +2,15 @@
 
 Semantics are exactly ``F.cross_entropy(softcap(x @ W.T + b).float(), target, ...)`` with
 ``softcap(z) = c * tanh(z / c)`` when ``c > 0``. The loss (and the optional log-sum-exp) is fp32,
-as eager gives for ``.float()`` logits; a caller whose model did not upcast casts it back.
+as eager gives for ``.float()`` logits; a caller whose model did not upcast casts it back. The bias
+is in x's dtype or fp32 (an fp32 bias over 16-bit x and W is added in fp32, as eager adds it after
+the upcast; its gradient is fp32).
+
+Precision: the logits are accumulated in fp32 and never rounded to x's dtype on the tile paths. A
+per-token loss is never below 0 (the lse and the target logit are formed apart and are clamped so
+that their difference cannot round below zero). The gradient's per-element error against float64 is
+that of eager fp32 (each recomputed logit rounds by about ``|z| * 2**-24``; every path stays within
+1.5x eager's error at logits around 1e2 and 1e4 in the tests).
 
 This module holds the op (``torch.library`` definition, fake, autograd) and the public
 ``linear_cross_entropy``. How it runs — the paths, the cost model that picks one per shape, the
