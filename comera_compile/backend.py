@@ -60,15 +60,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions
         report.after = _readable(gm)
         report.gm = gm
         collector.graph_reports.append(report)
-    return compile_inner(gm, example_inputs, opts)
+    return compile_inner(gm, example_inputs, opts, ctx.inductor_config)
 
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
-    """Hand the rewritten graph to the inner compiler."""
+def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions,
+                  requested: dict[str, Any] | None = None) -> Callable:
+    """Hand the rewritten graph to the inner compiler; ``requested`` are the Inductor settings the
+    passes asked for (the user's ``inductor_config`` wins)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     cudagraphs = opts.cudagraphs and _cuda_available()
@@ -79,11 +81,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
 
         from comera_compile.cache import inductor_config_patches
 
-        from comera_compile.passes.tensor_network import MAX_GROUP
-
-        patches = dict(opts.inductor_config)
-        # a TT layer group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
-        patches.setdefault("max_pointwise_cat_inputs", MAX_GROUP)
+        patches = {**(requested or {}), **opts.inductor_config}
         if cudagraphs:
             patches["triton.cudagraphs"] = True
         if opts.max_autotune:

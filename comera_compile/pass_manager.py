@@ -35,6 +35,8 @@ class PassContext:
     example_inputs: list[Any] = field(default_factory=list)
     pass_name: str = ""
     subgraph: str = ""
+    #: Inductor settings the passes ask for (see :meth:`request_inductor_config`).
+    inductor_config: dict[str, Any] = field(default_factory=dict)
 
     def rewrite(self, kind: str, module: str | None, detail: str = "") -> None:
         """Record a rewrite for ``explain``."""
@@ -54,6 +56,13 @@ class PassContext:
             return bool(self.options.cudagraphs)
         on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in self.example_inputs)
         return bool(on_gpu and self.tt_sites())
+
+    def request_inductor_config(self, key: str, value: Any) -> None:
+        """Ask for an Inductor setting that the rewritten graph needs (e.g. how many inputs one
+        pointwise concatenation may take). The user's ``inductor_config`` option wins; of two passes
+        asking for the same key, the larger value is kept."""
+        old = self.inductor_config.get(key)
+        self.inductor_config[key] = value if old is None else max(old, value)
 
     def skip(self, kind: str, reason: str, module: str | None = None) -> None:
         """Record a candidate left alone, and why."""
@@ -124,11 +133,14 @@ _builtins_loaded = False
 
 
 def load_builtin_passes() -> None:
-    """Import ``comera_compile.passes`` once: its modules register the built-in passes in order."""
+    """Register the built-in passes (``comera_compile.passes.BUILTIN_PASSES``, in running order) once."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        import comera_compile.passes  # noqa: F401
+        from comera_compile.passes import BUILTIN_PASSES
+
+        for name, fn in BUILTIN_PASSES:
+            REGISTRY.register(name, fn, builtin=True)
 
 
 def register_pass(name: str, *, before: str | None = None, after: str | None = None,

@@ -43,6 +43,8 @@ from typing import Any, Sequence, Union
 import networkx as nx
 import opt_einsum as oe
 
+from comera_compile.fx_utils import size_hint
+
 __all__ = [
     "Bracket",
     "DeviceModel",
@@ -65,54 +67,6 @@ _ROW_SYMBOLS = "abcdefghijklm"
 _COL_SYMBOLS = "opqrstuvwxyz"
 _RANK_SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _TOKEN = "n"
-
-
-# ----------------------------------------------------------------------------- size hints
-
-
-def size_hint(n: Any, fallback: int = 4096) -> int:
-    """An int for a token count that may be an int, a ``torch.SymInt`` or a sympy expression.
-
-    Reads the size hint without installing a guard: ``ShapeEnv.optimization_hint`` (torch 2.13),
-    ``SymNode.hint_int`` / ``ShapeEnv.size_hint`` (torch 2.11). A free sympy expression without a
-    shape environment has no hint: ``fallback`` is used.
-    """
-    if isinstance(n, bool):
-        raise TypeError("n_tokens must be an integer, not bool")
-    if isinstance(n, int):
-        return n
-    node = getattr(n, "node", None)
-    if node is not None:  # torch.SymInt
-        shape_env = getattr(node, "shape_env", None)
-        expr = getattr(node, "expr", None)
-        if shape_env is not None and expr is not None:
-            for name in ("optimization_hint", "size_hint"):
-                fn = getattr(shape_env, name, None)
-                if fn is None:
-                    continue
-                try:
-                    return int(fn(expr))
-                except Exception:
-                    pass
-        for name in ("hint_int", "optimization_hint"):
-            fn = getattr(node, name, None)
-            if fn is not None:
-                try:
-                    return int(fn())
-                except Exception:
-                    pass
-        hint = getattr(node, "hint", None)
-        if hint is not None:
-            return int(hint)
-        return fallback
-    try:
-        import sympy
-
-        if isinstance(n, sympy.Expr):
-            return int(n) if n.is_number else fallback
-    except ImportError:  # pragma: no cover
-        pass
-    return int(n)
 
 
 def token_bucket(n: int) -> int:

@@ -1,9 +1,16 @@
-"""Graph passes of the comera backend, one per file, registered in running order on import.
+"""Graph passes of the comera backend, one per file.
 
-Each pass is ``fn(gm, ctx) -> int``; see :mod:`comera_compile.pass_manager`. ``tensor_network`` runs
-first: it lowers tensor-train layers into batched merges and plain GEMMs, so a TT LM head's second
-factor is an ordinary ``linear`` by the time ``cce`` fuses the head with its loss.
+Each pass is ``fn(gm, ctx) -> int``; see :mod:`comera_compile.pass_manager`. ``BUILTIN_PASSES`` is their
+running order, written once here: ``tensor_network`` runs first, lowering tensor-train layers into
+batched merges and plain GEMMs, so that a TT LM head's second factor is an ordinary ``linear`` by the
+time ``cce`` fuses the head with its loss. The pass modules define their pass and register nothing
+themselves.
 """
 
-from comera_compile.passes import tensor_network  # noqa: F401  ("tensor_network": TT layers -> batched merges + GEMMs)
-from comera_compile.passes import cce  # noqa: F401,E402  ("cce": LM head + cross-entropy -> fused op)
+from comera_compile.passes import cce, tensor_network
+
+#: (name, pass) of the built-in passes, in running order.
+BUILTIN_PASSES = (
+    (tensor_network.NAME, tensor_network.tensor_network_pass),  # TT layers -> batched merges + GEMMs
+    (cce.KIND, cce.cce_pass),  # LM head + cross-entropy -> one fused op
+)

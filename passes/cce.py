@@ -34,14 +34,24 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
 
 from comera_compile import matching as M
-from comera_compile.fx_utils import RewriteRejected, autocast_enabled_at, checked_replace, fake, fake_node, module_name
-from comera_compile.pass_manager import REGISTRY, PassContext
+from comera_compile.fx_utils import (
+    RewriteRejected,
+    autocast_enabled_at,
+    checked_replace,
+    fake,
+    fake_node,
+    module_name,
+    size_hint,
+)
+
+if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
+    from comera_compile.pass_manager import PassContext
 
 KIND = "cce"
 _HIDDEN = object()  # placeholder in a re-applied reshape: the hidden size D replaces the vocabulary size V
@@ -629,8 +639,6 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
 
 
 def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | None) -> tuple[tuple, dict]:
-    from comera_compile.planner import size_hint
-
     fh = fake(head.proj.h)
     n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
     opts = ctx.options
@@ -722,5 +730,3 @@ def cce_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     candidates = [n for n in gm.graph.nodes if M.is_call(n, losses)]
     return sum(_rewrite(gm, node, ctx) for node in candidates if node.graph is not None)
 
-
-REGISTRY.register(KIND, cce_pass, builtin=True)

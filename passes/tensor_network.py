@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -45,9 +45,12 @@ from comera_compile.fx_utils import (
     fake,
     fake_node,
     module_name,
+    size_hint,
 )
-from comera_compile.pass_manager import REGISTRY, PassContext
-from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear, size_hint
+from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear
+
+if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
+    from comera_compile.pass_manager import PassContext
 
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
@@ -392,6 +395,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     groups = _groups(sites, graph)
+    if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
+        ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for g in groups:
         _emit_group(graph, g)
@@ -427,5 +432,3 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.skip(NAME, f"tt_materialize still forms a dense weight for: {users}", module_name(node))
     return count
 
-
-REGISTRY.register(NAME, tensor_network_pass, builtin=True)
