@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from comera_compile import planner  # noqa: E402
+from comera_compile.tt import planner  # noqa: E402
 
 SHAPES = {
     "comera768": ("tt", (12, 8, 8), (8, 8, 12), (1, 12, 30, 30, 30, 12, 1), 4096),

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import comera_compile as cc  # noqa: E402
-from comera_compile import planner, tt_runtime  # noqa: E402
+from comera_compile.kernels import tt_runtime  # noqa: E402
+from comera_compile.tt import planner  # noqa: E402
 from comera_compile.tt import TTSpec, materialize, random_cores  # noqa: E402
 
 PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12

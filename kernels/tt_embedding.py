@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from comera_compile import tt_runtime
+from comera_compile.kernels import tt_runtime
 from comera_compile.kernels.tt_linear import check_meta
-from comera_compile.planner import core_ranks, plan_tt_embedding
+from comera_compile.tt.planner import core_ranks, plan_tt_embedding
 
 __all__ = ["tt_embedding"]
 

@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from comera_compile import tt_runtime
-from comera_compile.planner import core_ranks, plan_tt_linear
+from comera_compile.kernels import tt_runtime
+from comera_compile.tt.planner import core_ranks, plan_tt_linear
 
 __all__ = ["tt_linear", "check_meta"]
 

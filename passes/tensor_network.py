@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from comera_compile import matching as M
-from comera_compile import tt_runtime
+from comera_compile.kernels import tt_runtime
 from comera_compile.fx_utils import (
     RewriteRejected,
     autocast_enabled_at,
@@ -47,7 +47,7 @@ from comera_compile.fx_utils import (
     module_name,
     size_hint,
 )
-from comera_compile.planner import TTPlan, plan_tt_embedding, plan_tt_linear
+from comera_compile.tt.planner import TTPlan, plan_tt_embedding, plan_tt_linear
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext

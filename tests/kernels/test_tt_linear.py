@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import comera_compile  # noqa: F401
-from comera_compile import planner, tt_runtime
+from comera_compile.kernels import tt_runtime
+from comera_compile.tt import planner
 from comera_compile.kernels.tt_linear import tt_linear
 
 _spec = importlib.util.spec_from_file_location("_tt_reference", pathlib.Path(__file__).with_name("tt_reference.py"))

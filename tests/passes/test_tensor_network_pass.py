@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comera_compile as cc
-from comera_compile import tt_runtime
+from comera_compile.kernels import tt_runtime
 from comera_compile.tensorize import TTConfig, tensorize_
 
 

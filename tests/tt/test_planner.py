@@ -9,8 +9,8 @@ import pytest
 import sympy
 import torch
 
-from comera_compile import planner
-from comera_compile.planner import bracket_cores, plan_tt_embedding, plan_tt_linear, size_hint, tt_network
+from comera_compile.tt import planner
+from comera_compile.tt.planner import bracket_cores, plan_tt_embedding, plan_tt_linear, size_hint, tt_network
 
 COMERA_768 = ("tt", (12, 8, 8), (8, 8, 12), (1, 12, 30, 30, 30, 12, 1))
 COMERA_3072 = ("tt", (12, 8, 8), (12, 16, 16), (1, 12, 30, 30, 30, 16, 1))

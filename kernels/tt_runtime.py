@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from comera_compile.planner import Bracket
+from comera_compile.tt.planner import Bracket
 
 __all__ = ["OUTPUTS", "chain_modes", "group_outputs", "layer_outputs", "lookup", "project"]
 
