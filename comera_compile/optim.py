@@ -1,0 +1,5 @@
+"""``param_groups``'s old path: :mod:`comera_compile.tensorize.optim` re-exported, so that
+``from comera_compile.optim import param_groups`` keeps working."""
+
+from comera_compile.tensorize.optim import *  # noqa: F401,F403
+from comera_compile.tensorize.optim import __all__  # noqa: F401
