@@ -1,4 +1,5 @@
-"""Helpers that passes share: module names, fake values, subgraphs, checked replacement."""
+"""Helpers that passes share: module names, fake values, subgraphs, checked replacement; and the
+module a ``torch.compile`` wrapper holds."""
 
 from __future__ import annotations
 
@@ -36,6 +37,23 @@ def clean_module_name(name: str) -> str:
     name = _BRACKET.sub(lambda m: "." + (m.group(1) or m.group(2)), name)
     name = re.sub(r"\[(\d+)\]", r".\1", name)
     return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_ATTRS)
+
+
+def unwrap_compiled(model: Any) -> Any:
+    """The module a ``torch.compile``'d module wraps (its ``_orig_mod``), or ``model`` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
+SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack")  # where a node comes from in the user's code
+
+
+def inherit_source_meta(nodes: Sequence[fx.Node], source: fx.Node) -> None:
+    """Give ``nodes`` (built to replace ``source``) its module stack, stack trace and source function,
+    where they have none: ``explain`` and Inductor's provenance then name the user's module."""
+    for key in SOURCE_META:
+        if key in source.meta:
+            for node in nodes:
+                node.meta.setdefault(key, source.meta[key])
 
 
 def module_name(node: fx.Node) -> str | None:
@@ -248,10 +266,7 @@ def checked_replace(old: fx.Node, new: fx.Node, erase: Sequence[fx.Node] = ()) -
     if problem is not None:
         _erase_all(graph, created)
         raise RewriteRejected(f"replacement output differs from the original: {problem}")
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if key in old.meta:
-            for node in created:
-                node.meta.setdefault(key, old.meta[key])
+    inherit_source_meta(created, old)
     old.replace_all_uses_with(new)
     erase_unused([old, *erase])
 

@@ -20,13 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from comera_compile.fx_utils import unwrap_compiled
+
 __all__ = ["fused_loss"]
 
 _PINNED = "_comera_fused_loss_pinned"
-
-
-def _root(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # a torch.compile'd module
 
 
 def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
@@ -52,7 +50,7 @@ def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
     raises TypeError naming what was passed (for a wrapper, e.g. PEFT's or DDP's, the
     ``PreTrainedModel`` inside it: apply ``fused_loss`` to that one, whose forward the wrapper calls).
     """
-    root = _root(model)
+    root = unwrap_compiled(model)  # a torch.compile'd module: the module inside
     _check_pretrained(model, root)
     current = root.__dict__.get("forward")
     if enabled and current is None:

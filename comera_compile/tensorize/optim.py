@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from comera_compile.tensorize.transform import iter_tt_layers
+from comera_compile.tensorize.parametrization import iter_tt_layers
 
 __all__ = ["param_groups"]
 

@@ -1,16 +1,13 @@
-"""``tensorize_``: turn ``nn.Linear`` / ``nn.Embedding`` weights into TT / TT-matrix cores.
+"""``tensorize_`` / ``densify_``: turn ``nn.Linear`` / ``nn.Embedding`` weights into TT / TT-matrix
+cores, and back.
 
 torchao's shape: a small config dataclass and one in-place transform,
 ``tensorize_(model, TTConfig(rank=30), filter_fn=...)`` (``filter_fn(module, fqn) -> bool``), or a
 dict ``{fqn: TTConfig}`` for per-module configs. Call it before the optimizer is built.
 
 Each selected layer keeps its type and name; its ``weight`` becomes a ``torch.nn.utils.parametrize``
-parametrization (:class:`TTParametrization`) whose forward is exactly one call of
-``torch.ops.comera.tt_materialize``, so Dynamo sees ``linear(x, comera.tt_materialize(...))``. The
-cores and the rank gates are views of two flat ``nn.Parameter`` s of the parametrization
-(``<layer>.parametrizations.weight.0.core_flat`` / ``.gate_flat``); ``state_dict`` holds them one
-entry per core and gate (``...weight.0.cores.<k>`` / ``.gates.<k>``). The dense weight is not kept
-(the parametrization's ``original`` is a zero-size, non-persistent buffer).
+parametrization (:class:`~comera_compile.tensorize.parametrization.TTParametrization`). The dense
+weight is not kept (the parametrization's ``original`` is a zero-size, non-persistent buffer).
 """
 
 from __future__ import annotations
@@ -21,374 +18,23 @@ import math
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, NamedTuple, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from comera_compile import tt
-from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (registers the op)
+from comera_compile.fx_utils import unwrap_compiled
+from comera_compile.tensorize.compression import record_skipped
+from comera_compile.tensorize.config import TTConfig
+from comera_compile.tensorize.parametrization import TTParametrization, iter_tt_layers, tt_parametrization
 from comera_compile.tt import TTSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "CompressionReport",
-    "LayerReport",
-    "SkippedLayer",
-    "TTConfig",
-    "TTLayer",
-    "TTParametrization",
-    "compression_report",
-    "densify_",
-    "iter_tt_layers",
-    "require_unsharded",
-    "set_parameter_data_",
-    "tensorize_",
-]
-
-_FMTS = ("auto", "tt", "ttm")
-_INITS = ("random", "svd")
-_SKIP_ATTR = "_comera_tensorize_skipped"
-
-
-@dataclass(frozen=True)
-class TTConfig:
-    """How to tensorize a layer.
-
-    * ``rank``: an int (every internal bond) or a per-bond list (``d - 1`` entries, or ``d + 1``
-      with 1 at both ends). Bonds are capped where a larger rank cannot help (the product of the
-      modes on either side). With ``init="svd"`` and ``svd_tol`` it is the cap.
-    * ``fmt``: ``"tt"`` (input modes then output modes, CoMERA's linear format), ``"ttm"``
-      (TT-matrix / MPO) or ``"auto"`` (default: ``"ttm"`` for every layer). Measured on a GPT (d 768,
-      BPE 16k, BENCHMARKS.md section 4) a TT-matrix learns better than ``"tt"`` at equal parameters
-      (validation loss 4.0 % / 3.7 % better for the attention / MLP Linears); ``"tt"`` runs faster
-      (its rank bottleneck makes two skinny GEMMs of a layer; a TT-matrix has none and runs with its
-      weight merged from the cores).
-    * ``n_cores``: number of cores (TT: split between rows and columns by their sizes); default:
-      modes near 10 (768 -> 3 modes, 30522 -> 4).
-    * ``modes``: explicit ``(row_modes, col_modes)``, rows = in_features (Linear) or
-      num_embeddings (Embedding), e.g. ``((16, 20, 10, 10), (4, 4, 8, 6))``; products may exceed
-      the sizes (padding, cropped away).
-    * ``min_size``: layers whose weight has fewer elements are skipped.
-    * ``init``: ``"random"`` (CoMERA's variance-matched init) or ``"svd"`` (TT-SVD of the
-      current weights); ``svd_tol``: relative-error tolerance that picks the ranks (capped by
-      ``rank``: where the cap stops TT-SVD short of the tolerance, ``tensorize_`` warns, naming the
-      layers, their reached errors and the capped bonds; every layer's reached error is
-      ``compression_report(model).layers[i].init_error``); ``init_std``: target std of the
-      reconstructed weight (default: CoMERA's ``sqrt(1 / (in + out))`` for Linear; for Embedding
-      the std of the table it replaces, i.e. the model's own embedding init: a GPT's 0.02 table
-      started at std 1 trained 24 % worse).
-    * ``max_pad``: largest relative padding the automatic factorization may add (0: never pad).
-    """
-
-    rank: Union[int, Sequence[int]] = 16
-    fmt: str = "auto"
-    n_cores: int | None = None
-    modes: tuple[Sequence[int], Sequence[int]] | None = None
-    min_size: int = 16384
-    init: str = "random"
-    svd_tol: float | None = None
-    init_std: float | None = None
-    max_pad: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.fmt not in _FMTS:
-            raise ValueError(f"TTConfig.fmt must be one of {_FMTS}, got {self.fmt!r}")
-        if self.init not in _INITS:
-            raise ValueError(f"TTConfig.init must be one of {_INITS}, got {self.init!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
-            try:
-                ranks = tuple(self.rank)  # type: ignore[arg-type]
-            except TypeError:
-                raise ValueError(
-                    f"TTConfig.rank must be a positive int or a list of positive ints, got {self.rank!r}"
-                ) from None
-            if not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
-                                    for r in ranks):
-                raise ValueError(f"TTConfig.rank list must hold positive ints, got {list(ranks)}")
-            object.__setattr__(self, "rank", ranks)
-        elif self.rank < 1:
-            raise ValueError(f"TTConfig.rank must be >= 1, got {self.rank}")
-        if self.n_cores is not None and (not isinstance(self.n_cores, int) or self.n_cores < 1):
-            raise ValueError(f"TTConfig.n_cores must be a positive int or None, got {self.n_cores!r}")
-        if self.modes is not None:
-            try:
-                row, col = self.modes
-                row, col = tuple(int(m) for m in row), tuple(int(m) for m in col)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    "TTConfig.modes must be (row_modes, col_modes), e.g. ((16, 20, 10, 10), (4, 4, 8, 6)); "
-                    f"got {self.modes!r}"
-                ) from None
-            if not row or not col or min(row + col) < 1:
-                raise ValueError(f"TTConfig.modes must be non-empty lists of positive ints, got {self.modes!r}")
-            object.__setattr__(self, "modes", (row, col))
-        if not isinstance(self.min_size, int) or self.min_size < 0:
-            raise ValueError(f"TTConfig.min_size must be an int >= 0, got {self.min_size!r}")
-        if self.svd_tol is not None:
-            if self.init != "svd":
-                raise ValueError("TTConfig.svd_tol applies to init='svd' only")
-            if not self.svd_tol >= 0:
-                raise ValueError(f"TTConfig.svd_tol must be >= 0, got {self.svd_tol}")
-        if self.init_std is not None and not self.init_std > 0:
-            raise ValueError(f"TTConfig.init_std must be > 0, got {self.init_std}")
-        if not self.max_pad >= 0:
-            raise ValueError(f"TTConfig.max_pad must be >= 0, got {self.max_pad}")
-
-
-def set_parameter_data_(p: nn.Parameter, new: torch.Tensor) -> None:
-    """``p.data = new`` with a new shape, for good.
-
-    Autograd caches a leaf's gradient accumulator (with the leaf's shape) while any graph holds it,
-    e.g. the previous step's ``loss`` still alive in the user's loop; ``.data = `` only drops that
-    cache when the dtype or device changes. Passing through another dtype drops it, so the next
-    forward builds an accumulator of the new shape.
-    """
-    if _is_dtensor(p):
-        raise NotImplementedError(_FSDP2_RESIZE.format(
-            what=f"resizing a parameter from {tuple(p.shape)} to {tuple(new.shape)}", names="this parameter"))
-    other = torch.float64 if new.dtype != torch.float64 else torch.float32
-    p.data = new.new_empty(0, dtype=other)
-    p.data = new
-
-
-_FSDP2_RESIZE = ("{what} changes the shapes of tensor-train cores and gates, which FSDP2 (fully_shard) cannot "
-                 "follow: it fixes the sharded shape of every parameter when fully_shard is called (sharded: "
-                 "{names}). Train rank-adaptively under DistributedDataParallel or on one device, and load "
-                 "checkpoints with pruned ranks before calling fully_shard.")
-
-
-def _is_dtensor(t: object) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support
-        return False
-    return isinstance(t, DTensor)
-
-
-def require_unsharded(model: nn.Module, what: str) -> None:
-    """Raise ``NotImplementedError`` naming the TT layers whose cores or gates FSDP2 has sharded,
-    for ``what`` (e.g. ``"RankAdaptation"``) that would change their shapes."""
-    names = [layer.fqn for layer in iter_tt_layers(model)
-             if any(_is_dtensor(p) for p in (layer.param.core_flat, layer.param.gate_flat))]
-    if names:
-        raise NotImplementedError(_FSDP2_RESIZE.format(what=what, names=names))
-
-
-class TTParametrization(nn.Module):
-    """A layer's weight as TT cores: ``forward`` is one ``comera::tt_materialize`` call.
-
-    The cores live in one flat Parameter, ``core_flat``, and the rank gates in another,
-    ``gate_flat``; ``cores`` and ``gates`` are views of them, shaped as DESIGN.md describes. Two
-    Parameters per layer instead of one per core and gate: optimizers, autograd and compiled graphs
-    pay a fixed host cost per tensor, and a TT model would otherwise have ~10x as many as its dense
-    twin. ``state_dict`` still holds one entry per core and gate (``cores.<k>``, ``gates.<k>``).
-
-    Ranks are read from the core shapes, so rank pruning only re-lays out the flat Parameters
-    (:meth:`relayout_`). Loading a state_dict whose ranks differ re-lays them out first. Assigning
-    ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks.
-    """
-
-    def __init__(
-        self,
-        spec: TTSpec,
-        cores: Sequence[torch.Tensor],
-        gates: Sequence[torch.Tensor],
-        *,
-        kind: str,
-        init: str,
-        init_error: float | None = None,
-        svd_tol: float | None = None,
-    ) -> None:
-        super().__init__()
-        self.fmt = spec.fmt
-        self.row_modes = tuple(spec.row_modes)
-        self.col_modes = tuple(spec.col_modes)
-        self.rows, self.cols, self.transpose = spec.rows, spec.cols, spec.transpose
-        self.kind = kind
-        self.init = init
-        self.init_error = init_error  # TT-SVD init: the relative error reached
-        self.svd_tol = svd_tol  # the tolerance asked for (TTConfig.svd_tol), or None
-        self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
-        self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
-                                      cores[0].new_zeros(0))
-        self.core_shapes = [tuple(c.shape) for c in cores]
-        self.gate_sizes = [g.numel() for g in gates]
-        self.refit_on_assign = False
-
-    @property
-    def cores(self) -> list[torch.Tensor]:
-        """The cores, as views of ``core_flat``."""
-        parts = self.core_flat.split([math.prod(s) for s in self.core_shapes])
-        return [t.view(s) for t, s in zip(parts, self.core_shapes)]
-
-    @property
-    def gates(self) -> list[torch.Tensor]:
-        """The rank gates, as views of ``gate_flat``."""
-        return list(self.gate_flat.split(self.gate_sizes))
-
-    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Views of the cores' and gates' gradients (of ``core_flat.grad`` / ``gate_flat.grad``), or
-        None before a backward."""
-        if self.core_flat.grad is None or self.gate_flat.grad is None:
-            return None
-        parts = self.core_flat.grad.split([math.prod(s) for s in self.core_shapes])
-        return [t.view(s) for t, s in zip(parts, self.core_shapes)], list(self.gate_flat.grad.split(self.gate_sizes))
-
-    @property
-    def spec(self) -> TTSpec:
-        return tt.spec_from_cores(self.cores, self.fmt, self.row_modes, self.col_modes,
-                                  self.rows, self.cols, self.transpose)
-
-    def positions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Index maps: for every core and gate, the flat positions of its entries (int64, shaped
-        like it). Slice them as the cores should be sliced, then hand them to :meth:`relayout_`."""
-        flat = torch.arange(self.core_flat.numel(), device=self.core_flat.device)
-        cores = [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in self.core_shapes]), self.core_shapes)]
-        gflat = torch.arange(self.gate_flat.numel(), device=self.gate_flat.device)
-        return cores, list(gflat.split(self.gate_sizes))
-
-    @torch.no_grad()
-    def relayout_(self, core_positions: Sequence[torch.Tensor], gate_positions: Sequence[torch.Tensor],
-                  optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        """New core and gate shapes, each entry taken from the flat position the index maps name
-        (see :meth:`positions`): the two Parameters keep their identity and are re-filled by one
-        gather each; so are their gradients and every optimizer state tensor shaped like them."""
-        for p, positions in ((self.core_flat, core_positions), (self.gate_flat, gate_positions)):
-            index = torch.cat([t.reshape(-1) for t in positions]) if positions else p.new_zeros(0, dtype=torch.long)
-            old = p.numel()
-            states = [opt.state.get(p, {}) for opt in optimizers]
-            set_parameter_data_(p, p.data[index])
-            if p.grad is not None:
-                p.grad = p.grad[index] if p.grad.numel() == old else None
-            for state in states:
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == old:
-                        state[key] = value[index]
-        self.core_shapes = [tuple(t.shape) for t in core_positions]
-        self.gate_sizes = [t.numel() for t in gate_positions]
-
-    @torch.no_grad()
-    def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
-        """Replace every core and gate (shapes may change; the Parameters keep their identity)."""
-        set_parameter_data_(self.core_flat, torch.cat([c.reshape(-1) for c in cores]).to(self.core_flat))
-        set_parameter_data_(self.gate_flat, torch.cat([g.reshape(-1) for g in gates]).to(self.gate_flat)
-                            if gates else self.gate_flat.data.new_zeros(0))
-        self.core_shapes = [tuple(c.shape) for c in cores]
-        self.gate_sizes = [g.numel() for g in gates]
-
-    @property
-    def ranks(self) -> list[int]:
-        return [s[0] for s in self.core_shapes] + [self.core_shapes[-1][-1]]
-
-    def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
-        return torch.ops.comera.tt_materialize(
-            self.core_flat, self.gate_flat, self.fmt, list(self.row_modes), list(self.col_modes),
-            self.ranks, self.rows, self.cols, self.transpose,
-        )
-
-    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
-        if self.refit_on_assign and value.numel():
-            matrix = value.t() if self.transpose else value
-            cores, err = tt.tt_svd(matrix.to(self.core_flat.dtype), self.spec)
-            self.assign_(cores, [torch.ones_like(g) for g in self.gates])
-            self.init, self.init_error, self.svd_tol = "svd", err, None
-        return value.new_empty(0)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name, tensors in (("cores", self.cores), ("gates", self.gates)):
-            for k, t in enumerate(tensors):
-                destination[f"{prefix}{name}.{k}"] = t if keep_vars else t.detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # One entry per core and gate, as saved; a checkpoint saved after rank pruning has smaller
-        # bonds: the flat Parameters are re-laid out to its shapes before the copy.
-        saved = {}
-        for name, current in (("cores", self.cores), ("gates", self.gates)):
-            saved[name] = []
-            for k, t in enumerate(current):
-                key = f"{prefix}{name}.{k}"
-                value = state_dict.get(key)
-                if value is None:
-                    missing_keys.append(key)
-                elif not isinstance(value, torch.Tensor) or value.dim() != t.dim() or (
-                        value.shape != t.shape and value.shape[1:-1] != t.shape[1:-1]):
-                    error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                      f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape in current "
-                                      f"model is {tuple(t.shape)}.")
-                else:
-                    saved[name].append(value)
-        known = {f"{prefix}{n}.{k}" for n, ts in (("cores", self.cores), ("gates", self.gates)) for k in range(len(ts))}
-        for key in state_dict:
-            if key.startswith(prefix) and "." not in key[len(prefix):].split(".", 1)[-1] and key not in known \
-                    and key[len(prefix):].split(".")[0] in ("cores", "gates", "core_flat", "gate_flat"):
-                unexpected_keys.append(key)
-        if len(saved["cores"]) == len(self.core_shapes) and len(saved["gates"]) == len(self.gate_sizes):
-            problem = _bond_mismatch(saved["cores"], saved["gates"], prefix)
-            if problem is not None:
-                error_msgs.append(problem)
-                return
-            self.assign_([v.to(self.core_flat.dtype) for v in saved["cores"]],
-                         [v.to(self.gate_flat.dtype) for v in saved["gates"]])
-
-    def extra_repr(self) -> str:
-        s = self.spec
-        return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}"
-
-
-def _bond_mismatch(cores: list, gates: list, prefix: str) -> str | None:
-    """Why saved cores and gates do not form one chain (a bond's sizes differ), naming the keys."""
-    if cores[0].shape[0] != 1 or cores[-1].shape[-1] != 1:
-        return f"{prefix}cores.0 / cores.{len(cores) - 1}: the outer ranks must be 1"
-    for k, gate in enumerate(gates):
-        left, right = cores[k].shape[-1], cores[k + 1].shape[0]
-        if not left == gate.numel() == right:
-            return (f"bond {k + 1} does not line up: {prefix}cores.{k} ends with rank {left}, {prefix}gates.{k} "
-                    f"has {gate.numel()} entries, {prefix}cores.{k + 1} starts with rank {right}")
-    return None
-
-
-class TTLayer(NamedTuple):
-    """One tensorized layer, as :func:`iter_tt_layers` yields it: ``cores`` and ``gates`` are views of
-    ``param.core_flat`` / ``param.gate_flat`` (its :class:`TTParametrization`). ``shared_with`` names
-    the other modules whose weight is the same TT (a tied embedding and LM head, ``tied="share"``)."""
-
-    fqn: str
-    module: nn.Module
-    spec: TTSpec
-    cores: list
-    gates: list
-    shared_with: tuple[str, ...] = ()
-    param: "TTParametrization | None" = None
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # a torch.compile'd module
-
-
-def tt_parametrization(module: nn.Module) -> TTParametrization | None:
-    """The layer's :class:`TTParametrization`, or None if its weight is not tensorized."""
-    if not parametrize.is_parametrized(module, "weight"):
-        return None
-    found = [p for p in module.parametrizations.weight if isinstance(p, TTParametrization)]
-    return found[0] if found else None
-
-
-def iter_tt_layers(model: nn.Module) -> Iterator[TTLayer]:
-    """Every tensorized layer of ``model`` (a compiled model is unwrapped), each TT once: modules
-    sharing one TT come as one layer with ``shared_with``."""
-    found: dict[int, list[tuple[str, nn.Module]]] = {}
-    for fqn, module in _unwrap(model).named_modules():
-        p = tt_parametrization(module)
-        if p is not None:
-            found.setdefault(id(p), []).append((fqn, module))
-    for (fqn, module), *others in found.values():
-        p = tt_parametrization(module)
-        yield TTLayer(fqn, module, p.spec, p.cores, p.gates, tuple(f for f, _ in others), p)
+__all__ = ["densify_", "tensorize_"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -799,7 +445,7 @@ def tensorize_(
     Invalid ranks or modes raise ValueError before any layer changes; every Linear-like layer that
     is not tensorized is listed by :func:`compression_report` with the reason.
     """
-    model = _unwrap(model)
+    model = unwrap_compiled(model)
     config = TTConfig() if config is None else config
     if not isinstance(config, (TTConfig, Mapping)):
         raise TypeError(f"config must be a TTConfig or a dict of them, got {type(config).__name__}")
@@ -839,7 +485,7 @@ def tensorize_(
     for plan in plans:
         _prepare(plan)
     missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
-    model.__dict__[_SKIP_ATTR] = skipped
+    record_skipped(model, skipped)
     if missed:
         tols = sorted({plan.config.svd_tol for plan in plans if plan.config.svd_tol is not None})
         warnings.warn(f"tensorize_: TTConfig(svd_tol={'/'.join(f'{t:g}' for t in tols)}) not reached by "
@@ -857,7 +503,7 @@ def _names(fqns: list[str], limit: int = 8) -> str:
 def densify_(model: nn.Module) -> nn.Module:
     """Turn every tensorized layer back into a plain dense ``weight`` Parameter (in place); modules
     sharing one TT get one shared Parameter again."""
-    root = _unwrap(model)
+    root = unwrap_compiled(model)
     for layer in list(iter_tt_layers(root)):
         with torch.no_grad():
             weight = layer.module.weight.detach().clone()
@@ -866,113 +512,3 @@ def densify_(model: nn.Module) -> nn.Module:
             _set_dense(module, dense)
     return model
 
-
-# ----------------------------------------------------------------------------------------------
-# Reporting
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerReport:
-    fqn: str
-    kind: str
-    weight_shape: tuple[int, int]
-    fmt: str
-    factorization: str
-    padded_shape: tuple[int, int]
-    ranks: tuple[int, ...]
-    dense_params: int
-    tt_params: int  # cores + gates
-    init: str
-    init_error: float | None  # init="svd": the relative error TT-SVD reached
-    matrix_shape: tuple[int, int] = (0, 0)  # the TT matrix [rows, cols] (Linear: [in, out])
-    shared_with: tuple[str, ...] = ()  # other modules whose weight is this TT (tied="share")
-    svd_tol: float | None = None  # the tolerance asked for (TTConfig.svd_tol); not reached if init_error > it
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_params / max(self.tt_params, 1)
-
-
-@dataclass(frozen=True)
-class SkippedLayer:
-    fqn: str
-    kind: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class CompressionReport:
-    """Per-layer and total parameter counts; ``print`` it for a table."""
-
-    layers: tuple[LayerReport, ...]
-    skipped: tuple[SkippedLayer, ...]
-    dense_params: int  # the whole model with dense weights in place of the TT layers
-    params: int  # the whole model as it is (cores and gates included)
-    other_params: int = field(default=0)  # parameters outside the TT layers' weights
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_params / max(self.params, 1)
-
-    def __str__(self) -> str:
-        head = ("layer", "type", "weight", "fmt", "factorization", "ranks", "dense", "tt", "ratio", "note")
-        rows = []
-        for lay in self.layers:
-            note = [] if lay.init_error is None else [f"svd err {lay.init_error:.3g}"]
-            if lay.init_error is not None and lay.svd_tol is not None and lay.init_error > lay.svd_tol:
-                note[-1] += f" > svd_tol {lay.svd_tol:g}"
-            if lay.shared_with:
-                note.append(f"shared with {', '.join(lay.shared_with)}")
-            w, logical = lay.weight_shape, lay.matrix_shape
-            if tuple(lay.padded_shape) != tuple(logical):
-                note.append(f"padded {logical[0]}x{logical[1]}->{lay.padded_shape[0]}x{lay.padded_shape[1]}")
-            rows.append((lay.fqn, lay.kind, "x".join(map(str, w)), lay.fmt, lay.factorization,
-                         ",".join(map(str, lay.ranks)), f"{lay.dense_params:,}", f"{lay.tt_params:,}",
-                         f"{lay.ratio:.1f}x", "; ".join(note)))
-        widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-
-        def fmt_row(r):
-            return "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-
-        lines = [fmt_row(head), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in rows]
-        lines.append(
-            f"total: {self.dense_params:,} -> {self.params:,} parameters ({self.ratio:.1f}x); "
-            f"{len(self.layers)} TT layers, other parameters {self.other_params:,}"
-        )
-        if self.skipped:
-            lines.append("skipped:")
-            lines += [f"  {s.fqn} ({s.kind}): {s.reason}" for s in self.skipped]
-        return "\n".join(lines)
-
-
-def compression_report(model: nn.Module) -> CompressionReport:
-    """Shapes, factorization, format, ranks and parameters before/after of every TT layer,
-    the model totals, and the layers ``tensorize_`` skipped with the reason."""
-    model = _unwrap(model)
-    layers = []
-    tt_param_ids = set()
-    for layer in iter_tt_layers(model):
-        p = tt_parametrization(layer.module)
-        spec = layer.spec
-        tt_param_ids.update((id(layer.param.core_flat), id(layer.param.gate_flat)))
-        layers.append(LayerReport(
-            fqn=layer.fqn, kind=p.kind, weight_shape=spec.weight_shape, fmt=spec.fmt,
-            factorization=spec.describe(), padded_shape=(spec.padded_rows, spec.padded_cols),
-            ranks=spec.ranks, dense_params=spec.dense_params,
-            tt_params=sum(t.numel() for t in list(layer.cores) + list(layer.gates)),
-            init=p.init, init_error=p.init_error, matrix_shape=(spec.rows, spec.cols),
-            shared_with=layer.shared_with, svd_tol=p.svd_tol,
-        ))
-    params = {id(t): t.numel() for t in model.parameters()}
-    other = sum(n for i, n in params.items() if i not in tt_param_ids)
-    skipped = []
-    for prefix, module in model.named_modules():
-        for fqn, (kind, reason) in getattr(module, _SKIP_ATTR, {}).items():
-            name = f"{prefix}.{fqn}" if prefix and fqn else (prefix or fqn)
-            skipped.append(SkippedLayer(name, kind, reason))
-    return CompressionReport(
-        layers=tuple(layers), skipped=tuple(skipped),
-        dense_params=other + sum(lay.dense_params for lay in layers),
-        params=sum(params.values()), other_params=other,
-    )

@@ -1,0 +1,280 @@
+"""A layer's weight as TT cores: ``TTParametrization`` and the tensorized layers of a model.
+
+The cores and the rank gates are views of two flat ``nn.Parameter`` s of the parametrization
+(``<layer>.parametrizations.weight.0.core_flat`` / ``.gate_flat``); ``state_dict`` holds them one
+entry per core and gate (``...weight.0.cores.<k>`` / ``.gates.<k>``). The parametrization's forward
+is exactly one call of ``torch.ops.comera.tt_materialize``, so Dynamo sees
+``linear(x, comera.tt_materialize(...))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, NamedTuple, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from comera_compile import tt
+from comera_compile.fx_utils import unwrap_compiled
+from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (registers the op)
+from comera_compile.tt import TTSpec
+
+__all__ = [
+    "TTLayer",
+    "TTParametrization",
+    "iter_tt_layers",
+    "require_unsharded",
+    "set_parameter_data_",
+    "tt_parametrization",
+]
+
+
+def set_parameter_data_(p: nn.Parameter, new: torch.Tensor) -> None:
+    """``p.data = new`` with a new shape, for good.
+
+    Autograd caches a leaf's gradient accumulator (with the leaf's shape) while any graph holds it,
+    e.g. the previous step's ``loss`` still alive in the user's loop; ``.data = `` only drops that
+    cache when the dtype or device changes. Passing through another dtype drops it, so the next
+    forward builds an accumulator of the new shape.
+    """
+    if _is_dtensor(p):
+        raise NotImplementedError(_FSDP2_RESIZE.format(
+            what=f"resizing a parameter from {tuple(p.shape)} to {tuple(new.shape)}", names="this parameter"))
+    other = torch.float64 if new.dtype != torch.float64 else torch.float32
+    p.data = new.new_empty(0, dtype=other)
+    p.data = new
+
+
+_FSDP2_RESIZE = ("{what} changes the shapes of tensor-train cores and gates, which FSDP2 (fully_shard) cannot "
+                 "follow: it fixes the sharded shape of every parameter when fully_shard is called (sharded: "
+                 "{names}). Train rank-adaptively under DistributedDataParallel or on one device, and load "
+                 "checkpoints with pruned ranks before calling fully_shard.")
+
+
+def _is_dtensor(t: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
+def require_unsharded(model: nn.Module, what: str) -> None:
+    """Raise ``NotImplementedError`` naming the TT layers whose cores or gates FSDP2 has sharded,
+    for ``what`` (e.g. ``"RankAdaptation"``) that would change their shapes."""
+    names = [layer.fqn for layer in iter_tt_layers(model)
+             if any(_is_dtensor(p) for p in (layer.param.core_flat, layer.param.gate_flat))]
+    if names:
+        raise NotImplementedError(_FSDP2_RESIZE.format(what=what, names=names))
+
+
+class TTParametrization(nn.Module):
+    """A layer's weight as TT cores: ``forward`` is one ``comera::tt_materialize`` call.
+
+    The cores live in one flat Parameter, ``core_flat``, and the rank gates in another,
+    ``gate_flat``; ``cores`` and ``gates`` are views of them, shaped as DESIGN.md describes. Two
+    Parameters per layer instead of one per core and gate: optimizers, autograd and compiled graphs
+    pay a fixed host cost per tensor, and a TT model would otherwise have ~10x as many as its dense
+    twin. ``state_dict`` still holds one entry per core and gate (``cores.<k>``, ``gates.<k>``).
+
+    Ranks are read from the core shapes, so rank pruning only re-lays out the flat Parameters
+    (:meth:`relayout_`). Loading a state_dict whose ranks differ re-lays them out first. Assigning
+    ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks.
+    """
+
+    def __init__(
+        self,
+        spec: TTSpec,
+        cores: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        *,
+        kind: str,
+        init: str,
+        init_error: float | None = None,
+        svd_tol: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt = spec.fmt
+        self.row_modes = tuple(spec.row_modes)
+        self.col_modes = tuple(spec.col_modes)
+        self.rows, self.cols, self.transpose = spec.rows, spec.cols, spec.transpose
+        self.kind = kind
+        self.init = init
+        self.init_error = init_error  # TT-SVD init: the relative error reached
+        self.svd_tol = svd_tol  # the tolerance asked for (TTConfig.svd_tol), or None
+        self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
+        self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
+                                      cores[0].new_zeros(0))
+        self.core_shapes = [tuple(c.shape) for c in cores]
+        self.gate_sizes = [g.numel() for g in gates]
+        self.refit_on_assign = False
+
+    @property
+    def cores(self) -> list[torch.Tensor]:
+        """The cores, as views of ``core_flat``."""
+        parts = self.core_flat.split([math.prod(s) for s in self.core_shapes])
+        return [t.view(s) for t, s in zip(parts, self.core_shapes)]
+
+    @property
+    def gates(self) -> list[torch.Tensor]:
+        """The rank gates, as views of ``gate_flat``."""
+        return list(self.gate_flat.split(self.gate_sizes))
+
+    def grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Views of the cores' and gates' gradients (of ``core_flat.grad`` / ``gate_flat.grad``), or
+        None before a backward."""
+        if self.core_flat.grad is None or self.gate_flat.grad is None:
+            return None
+        parts = self.core_flat.grad.split([math.prod(s) for s in self.core_shapes])
+        return [t.view(s) for t, s in zip(parts, self.core_shapes)], list(self.gate_flat.grad.split(self.gate_sizes))
+
+    @property
+    def spec(self) -> TTSpec:
+        return tt.spec_from_cores(self.cores, self.fmt, self.row_modes, self.col_modes,
+                                  self.rows, self.cols, self.transpose)
+
+    def positions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Index maps: for every core and gate, the flat positions of its entries (int64, shaped
+        like it). Slice them as the cores should be sliced, then hand them to :meth:`relayout_`."""
+        flat = torch.arange(self.core_flat.numel(), device=self.core_flat.device)
+        cores = [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in self.core_shapes]), self.core_shapes)]
+        gflat = torch.arange(self.gate_flat.numel(), device=self.gate_flat.device)
+        return cores, list(gflat.split(self.gate_sizes))
+
+    @torch.no_grad()
+    def relayout_(self, core_positions: Sequence[torch.Tensor], gate_positions: Sequence[torch.Tensor],
+                  optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """New core and gate shapes, each entry taken from the flat position the index maps name
+        (see :meth:`positions`): the two Parameters keep their identity and are re-filled by one
+        gather each; so are their gradients and every optimizer state tensor shaped like them."""
+        for p, positions in ((self.core_flat, core_positions), (self.gate_flat, gate_positions)):
+            index = torch.cat([t.reshape(-1) for t in positions]) if positions else p.new_zeros(0, dtype=torch.long)
+            old = p.numel()
+            states = [opt.state.get(p, {}) for opt in optimizers]
+            set_parameter_data_(p, p.data[index])
+            if p.grad is not None:
+                p.grad = p.grad[index] if p.grad.numel() == old else None
+            for state in states:
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == old:
+                        state[key] = value[index]
+        self.core_shapes = [tuple(t.shape) for t in core_positions]
+        self.gate_sizes = [t.numel() for t in gate_positions]
+
+    @torch.no_grad()
+    def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
+        """Replace every core and gate (shapes may change; the Parameters keep their identity)."""
+        set_parameter_data_(self.core_flat, torch.cat([c.reshape(-1) for c in cores]).to(self.core_flat))
+        set_parameter_data_(self.gate_flat, torch.cat([g.reshape(-1) for g in gates]).to(self.gate_flat)
+                            if gates else self.gate_flat.data.new_zeros(0))
+        self.core_shapes = [tuple(c.shape) for c in cores]
+        self.gate_sizes = [g.numel() for g in gates]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [s[0] for s in self.core_shapes] + [self.core_shapes[-1][-1]]
+
+    def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
+        return torch.ops.comera.tt_materialize(
+            self.core_flat, self.gate_flat, self.fmt, list(self.row_modes), list(self.col_modes),
+            self.ranks, self.rows, self.cols, self.transpose,
+        )
+
+    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        if self.refit_on_assign and value.numel():
+            matrix = value.t() if self.transpose else value
+            cores, err = tt.tt_svd(matrix.to(self.core_flat.dtype), self.spec)
+            self.assign_(cores, [torch.ones_like(g) for g in self.gates])
+            self.init, self.init_error, self.svd_tol = "svd", err, None
+        return value.new_empty(0)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, tensors in (("cores", self.cores), ("gates", self.gates)):
+            for k, t in enumerate(tensors):
+                destination[f"{prefix}{name}.{k}"] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # One entry per core and gate, as saved; a checkpoint saved after rank pruning has smaller
+        # bonds: the flat Parameters are re-laid out to its shapes before the copy.
+        saved = {}
+        for name, current in (("cores", self.cores), ("gates", self.gates)):
+            saved[name] = []
+            for k, t in enumerate(current):
+                key = f"{prefix}{name}.{k}"
+                value = state_dict.get(key)
+                if value is None:
+                    missing_keys.append(key)
+                elif not isinstance(value, torch.Tensor) or value.dim() != t.dim() or (
+                        value.shape != t.shape and value.shape[1:-1] != t.shape[1:-1]):
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                      f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape in current "
+                                      f"model is {tuple(t.shape)}.")
+                else:
+                    saved[name].append(value)
+        known = {f"{prefix}{n}.{k}" for n, ts in (("cores", self.cores), ("gates", self.gates)) for k in range(len(ts))}
+        for key in state_dict:
+            if key.startswith(prefix) and "." not in key[len(prefix):].split(".", 1)[-1] and key not in known \
+                    and key[len(prefix):].split(".")[0] in ("cores", "gates", "core_flat", "gate_flat"):
+                unexpected_keys.append(key)
+        if len(saved["cores"]) == len(self.core_shapes) and len(saved["gates"]) == len(self.gate_sizes):
+            problem = _bond_mismatch(saved["cores"], saved["gates"], prefix)
+            if problem is not None:
+                error_msgs.append(problem)
+                return
+            self.assign_([v.to(self.core_flat.dtype) for v in saved["cores"]],
+                         [v.to(self.gate_flat.dtype) for v in saved["gates"]])
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}"
+
+
+def _bond_mismatch(cores: list, gates: list, prefix: str) -> str | None:
+    """Why saved cores and gates do not form one chain (a bond's sizes differ), naming the keys."""
+    if cores[0].shape[0] != 1 or cores[-1].shape[-1] != 1:
+        return f"{prefix}cores.0 / cores.{len(cores) - 1}: the outer ranks must be 1"
+    for k, gate in enumerate(gates):
+        left, right = cores[k].shape[-1], cores[k + 1].shape[0]
+        if not left == gate.numel() == right:
+            return (f"bond {k + 1} does not line up: {prefix}cores.{k} ends with rank {left}, {prefix}gates.{k} "
+                    f"has {gate.numel()} entries, {prefix}cores.{k + 1} starts with rank {right}")
+    return None
+
+
+class TTLayer(NamedTuple):
+    """One tensorized layer, as :func:`iter_tt_layers` yields it: ``cores`` and ``gates`` are views of
+    ``param.core_flat`` / ``param.gate_flat`` (its :class:`TTParametrization`). ``shared_with`` names
+    the other modules whose weight is the same TT (a tied embedding and LM head, ``tied="share"``)."""
+
+    fqn: str
+    module: nn.Module
+    spec: TTSpec
+    cores: list
+    gates: list
+    shared_with: tuple[str, ...] = ()
+    param: "TTParametrization | None" = None
+
+
+def tt_parametrization(module: nn.Module) -> TTParametrization | None:
+    """The layer's :class:`TTParametrization`, or None if its weight is not tensorized."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return None
+    found = [p for p in module.parametrizations.weight if isinstance(p, TTParametrization)]
+    return found[0] if found else None
+
+
+def iter_tt_layers(model: nn.Module) -> Iterator[TTLayer]:
+    """Every tensorized layer of ``model`` (a compiled model is unwrapped), each TT once: modules
+    sharing one TT come as one layer with ``shared_with``."""
+    found: dict[int, list[tuple[str, nn.Module]]] = {}
+    for fqn, module in unwrap_compiled(model).named_modules():
+        p = tt_parametrization(module)
+        if p is not None:
+            found.setdefault(id(p), []).append((fqn, module))
+    for (fqn, module), *others in found.values():
+        p = tt_parametrization(module)
+        yield TTLayer(fqn, module, p.spec, p.cores, p.gates, tuple(f for f, _ in others), p)
+
