@@ -20,30 +20,45 @@ the user's model, loss and training loop stay as they are:
   ``S`` counts core parameters, so each gate's penalty is weighted by the parameters its rank carries)
   or, with ``weight="flops"``, the per-token multiply-adds of contracting core k when the input
   streams through the cores in order (a proxy: the planner may pick another order). The gradient is
-  ``gamma_t * u * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``.
+  ``gamma_t * u * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``, on every bond that
+  holds more than ``min_rank`` gates (a bond at its floor cannot be pruned further: it is not pushed).
+* **the gates' pace.** Under Adam a parameter moves by at most about its learning rate per step,
+  so the gates' learning rate bounds how soon any gate reaches the threshold. ``cc.param_groups``
+  trains them at 10x the model's lr; with ``gate_lr_scale="auto"`` (default) gates that share a
+  parameter group with other parameters (``torch.optim.AdamW(model.parameters())``) get the same:
+  the post-hook multiplies their step by 10 (``g <- g_before + 10 * (g - g_before)``, for SGD,
+  Adam(W), RMSprop, ... exactly the step at 10x their group's lr, weight decay included; the
+  optimizer's state is untouched). Gates in a group of their own keep their group's lr; a number
+  scales every gate's step by it.
 * **step post-hook** prunes every ``prune_every`` steps: per bond, gates with ``|g| < threshold``
-  are removed and the cores on both sides are sliced physically (each layer's flat core and gate
-  Parameters re-laid out by one gather, same Parameter objects; see
-  ``TTParametrization.relayout_``); the surviving gates keep their values (no rescaling), so the layer computes
-  exactly what it computed with the pruned gates set to zero. With ``rank_multiple=8`` the surviving
-  rank is rounded up (largest gates first, never above the current rank). Every optimizer state
-  tensor of a parameter's shape (Adam's ``exp_avg``/``exp_avg_sq``, ``max_exp_avg_sq``, SGD's
-  ``momentum_buffer``, ...) and the gradient are gathered the same way. A bond with no surviving gate
-  makes the layer's weight zero: the layer keeps rank 1 on every bond with cores, gates and their
-  optimizer state zeroed (the TT kernels need ranks >= 1), so it stays a zero (bias-only) layer:
-  all its gradients and Adam updates are exactly zero from then on.
+  are removed, keeping at least ``min_rank`` (default 1: the largest), and the cores on both sides
+  are sliced physically (each layer's flat core and gate Parameters re-laid out by one gather, same
+  Parameter objects; see ``TTParametrization.relayout_``); the surviving gates keep their values (no
+  rescaling), so the layer computes exactly what it computed with the pruned gates set to zero.
+  With ``rank_multiple=8`` the surviving rank is rounded up (largest gates first, never above the
+  current rank). Every optimizer state tensor of a parameter's shape (Adam's
+  ``exp_avg``/``exp_avg_sq``, ``max_exp_avg_sq``, SGD's ``momentum_buffer``, ...) and the gradient
+  are gathered the same way. Only with ``min_rank=0`` can a bond lose every gate; that makes the
+  layer's weight zero, with a warning naming the layer: the layer keeps rank 1 on every bond with
+  cores, gates and their optimizer state zeroed (the TT kernels need ranks >= 1), so it stays a zero
+  (bias-only) layer: all its gradients and Adam updates are exactly zero from then on, and
+  :meth:`RankAdaptation.ranks` reports 0 on its bonds (also for the layer loaded from a checkpoint:
+  its all-zero gates say so).
 
 **Stages.** Early: linear scalarization, ``gamma_t = gamma``. Late: achievement scalarization
 toward the target point ``(L*, S*)``: ``L* = (1 + loss_tolerance) * EMA(loss)`` at the switch,
 ``S* = dense_params / target_compression`` (the whole model, as ``compression_report`` counts it).
 With the relative gaps ``a = (EMA(loss) - L*) / L*`` and ``b = (size - S*) / S*`` (size: the model
-with each bond's rank counted as its gates at or above the threshold), the max term is the size term
-when ``b > max(a, 0)``: ``gamma_t = late_gamma``; otherwise only the augmentation term pushes the size:
+with each bond at the rank a pruning event would leave it now, :meth:`RankAdaptation.effective_params`),
+the max term is the size term when ``b > max(a, 0)``: ``gamma_t = late_gamma``; otherwise only the
+augmentation term pushes the size:
 ``gamma_t = augment * late_gamma`` (the loss term's gradient is the user's own backward).
 The switch happens at step ``switch`` (an int), when the early stage has converged
-(``switch="auto"``: the loss EMA improved by less than ``converge_tol`` relatively over
-``converge_window`` steps, or the size target is already met), or by :meth:`switch_stage`
-(``switch="manual"``).
+(``switch="auto"``, from step ``min_early_steps`` on: over the last ``converge_window`` steps the
+loss EMA improved by less than ``converge_tol`` of its value, or by less than ``converge_tol`` of
+its whole descent so far, from its highest value to now, which also ends the early stage of a loss
+that keeps falling toward zero by a constant factor per window; or the size target is already met),
+or by :meth:`switch_stage` (``switch="manual"``).
 
 **The loss.** With ``loss_from="output"`` (default) a forward hook on ``model`` records the scalar
 loss in its output: the output itself (a model that returns its loss, as ``model(x, labels)`` does in
@@ -85,6 +100,7 @@ __all__ = ["RankAdaptation", "size_coefficients"]
 _WEIGHTS = ("params", "flops")
 _SCALES = ("grad", "absolute")
 _STAGES = ("early", "late")
+_AUTO_GATE_LR_SCALE = 10.0  # the gates' lr / the model's in cc.param_groups (CoMERA's ratio)
 
 
 def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
@@ -136,6 +152,7 @@ class _GateLayout(NamedTuple):
     right: torch.Tensor  # [bonds] the same for the right neighbour
     c_left: torch.Tensor  # [bonds] c_k of the core on the bond's left
     c_right: torch.Tensor  # [bonds] c_{k+1} of the core on its right
+    active: torch.Tensor  # [bonds] 1.0 where the bond holds more than min_rank gates (0: nothing to prune)
     entries: list[int]  # gate entries per layer
 
 
@@ -182,7 +199,13 @@ class RankAdaptation:
         mean with decay ``grad_ema``) or ``"absolute"`` (in loss units).
       * ``weight``: ``"params"`` or ``"flops"``: what each gate's penalty is weighted by.
       * ``prune_every`` (steps), ``threshold`` (gate magnitude), ``rank_multiple`` (1, 8, 16, ...).
-      * ``switch``: ``"auto"``, ``"manual"`` or a step number; ``converge_window``,
+      * ``min_rank`` (default 1): the fewest gates a bond keeps, so no layer is deleted; 0 lets a
+        bond go and its layer become zero (with a warning).
+      * ``gate_lr_scale``: ``"auto"`` (default: 10 for gates sharing a parameter group with other
+        parameters, 1 for gates in groups of their own, as ``cc.param_groups`` makes) or a number
+        > 0: the gates' optimizer step is multiplied by it (their lr, for torch's first-order
+        optimizers).
+      * ``switch``: ``"auto"``, ``"manual"`` or a step number; ``converge_window`` (steps, >= 1),
         ``converge_tol``, ``min_early_steps``: the automatic switch; ``loss_ema``: the loss's
         running-average decay; ``loss_tolerance``: the late stage's loss target above the average.
       * ``loss_from``: ``"output"`` (forward hook on the model's scalar output) or ``"observe"``.
@@ -212,6 +235,8 @@ class RankAdaptation:
         loss_tolerance: float = 0.02,
         loss_from: str = "output",
         recompiles_per_event: int = 2,
+        min_rank: int = 1,
+        gate_lr_scale: float | str = "auto",
     ) -> None:
         if not target_compression > 0:
             raise ValueError(f"RankAdaptation: target_compression must be > 0, got {target_compression}")
@@ -236,6 +261,19 @@ class RankAdaptation:
             raise ValueError(f"RankAdaptation: scale must be one of {_SCALES}, got {scale!r}")
         if not 0 <= grad_ema < 1:
             raise ValueError(f"RankAdaptation: grad_ema must be in [0, 1), got {grad_ema}")
+        if not isinstance(min_rank, int) or isinstance(min_rank, bool) or min_rank < 0:
+            raise ValueError(f"RankAdaptation: min_rank must be an int >= 0 (0: a layer may lose a whole bond "
+                             f"and become zero), got {min_rank!r}")
+        if gate_lr_scale != "auto" and not (isinstance(gate_lr_scale, (int, float))
+                                            and not isinstance(gate_lr_scale, bool) and gate_lr_scale > 0
+                                            and math.isfinite(gate_lr_scale)):
+            raise ValueError(f"RankAdaptation: gate_lr_scale must be 'auto' or a number > 0, got {gate_lr_scale!r}")
+        for name, value in (("converge_window", converge_window), ("min_early_steps", min_early_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "converge_window" else 0):
+                raise ValueError(f"RankAdaptation: {name} must be an int >= "
+                                 f"{1 if name == 'converge_window' else 0}, got {value!r}")
+        if not converge_tol >= 0:
+            raise ValueError(f"RankAdaptation: converge_tol must be >= 0, got {converge_tol}")
         self.model = getattr(model, "_orig_mod", model)  # a torch.compile'd module: the module inside
         self.optimizer = optimizer
         self.layers = [_RankedLayer(lay.fqn, lay.param) for lay in iter_tt_layers(self.model)]
@@ -264,6 +302,9 @@ class RankAdaptation:
         self.loss_ema_decay = float(loss_ema)
         self.loss_tolerance = float(loss_tolerance)
         self.recompiles_per_event = int(recompiles_per_event)
+        self.min_rank = min_rank
+        self.gate_lr_scale = gate_lr_scale
+        self._gate_scales = self._resolve_gate_scales()
 
         report = compression_report(self.model)
         self.dense_params = report.dense_params
@@ -286,9 +327,10 @@ class RankAdaptation:
         self.stage = "early"
         self.switch_step: int | None = None
         self.loss_avg: float | None = None
+        self._loss_peak: float | None = None  # the highest loss EMA seen (the progress of the early stage)
         self.loss_target: float | None = None
         self.prune_events = 0  # pruning events that changed shapes
-        self.dead: list[str] = []
+        self.dead: list[str] = self._find_dead()  # zeroed layers (a checkpoint's are recognized by their gates)
         self.history: list[dict[str, Any]] = []
         self._loss_trace: list[float] = []  # loss EMA per step, the last converge_window + 1
         self._pending_loss: torch.Tensor | None = None
@@ -297,31 +339,59 @@ class RankAdaptation:
         self._callbacks: list[Callable[["RankAdaptation"], None]] = []
         self._warned_no_loss = False
         self._limit_base: int | None = None
+        self._scaled: list[tuple[torch.Tensor, float, torch.Tensor]] = []  # gates before the step
+        self._floored: set[str] = set()  # layers warned about a bond kept only by min_rank
 
         self._handles = [optimizer.register_step_pre_hook(self._pre_step),
                          optimizer.register_step_post_hook(self._post_step)]
         if loss_from == "output":
             self._handles.append(self.model.register_forward_hook(self._capture_output))
 
+    def _resolve_gate_scales(self) -> list[float]:
+        """Each layer's gate step multiplier (``gate_lr_scale``): ``"auto"`` gives 10 to gates that
+        share a parameter group with parameters that are not gates (a ``model.parameters()``
+        optimizer: the gates would train at the cores' lr), 1 to gates in groups of their own."""
+        gate_ids = {id(lay.param.gate_flat) for lay in self.layers}
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        scales = []
+        for lay in self.layers:
+            group = group_of.get(id(lay.param.gate_flat))
+            if group is None:  # frozen gates: not in the optimizer
+                scales.append(1.0)
+            elif self.gate_lr_scale != "auto":
+                scales.append(float(self.gate_lr_scale))
+            else:
+                shared = any(id(p) not in gate_ids for p in group["params"])
+                scales.append(_AUTO_GATE_LR_SCALE if shared else 1.0)
+        if self.gate_lr_scale == "auto" and any(s != 1.0 for s in scales):
+            log.info("RankAdaptation: the rank gates share a parameter group with other parameters; their "
+                     "optimizer steps are scaled by %g (gate_lr_scale='auto'; cc.param_groups gives them a "
+                     "group of their own at 10x lr)", _AUTO_GATE_LR_SCALE)
+        return scales
+
     def _warn_if_gates_are_slow(self, slow_steps: int = 500) -> None:
         """Under Adam-type optimizers a parameter moves by at most about its learning rate per step,
-        so the gates' learning rate bounds how soon any gate can reach the threshold."""
-        gate_ids = {id(lay.param.gate_flat) for lay in self.layers}
+        so the gates' learning rate (times ``gate_lr_scale``) bounds how soon any gate can reach the
+        threshold."""
+        scale_of = {id(lay.param.gate_flat): s for lay, s in zip(self.layers, self._gate_scales)}
         for group in self.optimizer.param_groups:
             lr = group.get("initial_lr", group.get("lr"))
             if "betas" not in group or not isinstance(lr, (int, float)) or lr <= 0:
                 continue
-            gates = [p for p in group["params"] if id(p) in gate_ids]
+            gates = [p for p in group["params"] if id(p) in scale_of]
             if not gates:
                 continue
+            scale = min(scale_of[id(g)] for g in gates)
             start = max(float(g.detach().abs().max()) for g in gates if g.numel())
-            steps = (start - self.threshold) / lr
+            steps = (start - self.threshold) / (lr * scale)
             if steps > slow_steps:
+                at = f"lr {lr * scale:g}" + (f" (lr {lr:g} x gate_lr_scale {scale:g})" if scale != 1 else "")
                 warnings.warn(
-                    f"RankAdaptation: the rank gates train at lr {lr:g}; an Adam-type optimizer moves a "
+                    f"RankAdaptation: the rank gates train at {at}; an Adam-type optimizer moves a "
                     f"parameter by at most ~lr per step, so no gate can fall from {start:g} to the pruning "
                     f"threshold {self.threshold:g} in fewer than {steps:,.0f} steps. Give the gates a larger "
-                    "learning rate: torch.optim.AdamW(cc.param_groups(model, lr=...)) trains them at 10x lr.",
+                    "learning rate: torch.optim.AdamW(cc.param_groups(model, lr=...)) trains them at 10x lr, "
+                    "or raise RankAdaptation's gate_lr_scale.",
                     stacklevel=3)
                 return
 
@@ -355,6 +425,7 @@ class RankAdaptation:
             return
         d = self.loss_ema_decay
         self.loss_avg = value if self.loss_avg is None else d * self.loss_avg + (1 - d) * value
+        self._loss_peak = self.loss_avg if self._loss_peak is None else max(self._loss_peak, self.loss_avg)
         self._loss_trace.append(self.loss_avg)
         del self._loss_trace[: -(self.converge_window + 1)]
 
@@ -379,8 +450,21 @@ class RankAdaptation:
         return float(self._bond_weights(layout, self._all_gates())[layout.bond_of].double().mean())
 
     def ranks(self) -> dict[str, list[int]]:
-        """Current internal ranks of every layer (0 on every bond of a zeroed layer)."""
+        """Current internal ranks of every layer: each bond's number of gates, 0 on every bond of a
+        zeroed layer (one whose bond lost every gate with ``min_rank=0``: its cores are kept at
+        rank 1, all zero). The same numbers come back from a checkpoint: a zeroed layer is
+        recognized by its gates (all zero on a bond), with or without the ranker's state."""
         return {lay.fqn: [0 if lay.fqn in self.dead else n for n in lay.param.gate_sizes] for lay in self.layers}
+
+    def _find_dead(self) -> list[str]:
+        """The layers whose weight is zero for good: a bond with every gate exactly zero (what
+        :meth:`prune` leaves of a layer that lost a bond)."""
+        dead = []
+        for lay in self.layers:
+            gates = lay.param.gate_flat.detach()
+            if gates.numel() and any(not bool(g.any()) for g in gates.split(lay.param.gate_sizes)):
+                dead.append(lay.fqn)
+        return dead
 
     def num_params(self) -> int:
         """The model's parameters as they are now (cores and gates included)."""
@@ -388,7 +472,8 @@ class RankAdaptation:
 
     def effective_params(self, params: int | None = None) -> int:
         """The model's parameters (``params``: :meth:`num_params`, if known) with each bond's rank
-        counted as its gates >= threshold."""
+        counted as the rank :meth:`prune` would leave it now: its gates >= threshold, at least
+        ``min_rank``, rounded up to ``rank_multiple`` (a layer that would lose a bond counts 0)."""
         total = self.num_params() if params is None else params
         layout = self._gate_layout()
         above = (self._all_gates().abs() >= self.threshold).long()
@@ -397,8 +482,8 @@ class RankAdaptation:
         for layer, modes in zip(self.layers, self._chain_modes):
             param = layer.param
             total -= param.core_flat.numel() + param.gate_flat.numel()
-            ranks = [1] + [next(counts) for _ in param.gate_sizes] + [1]
-            if layer.fqn not in self.dead:  # cores and gates at those ranks
+            ranks = [1] + [self._kept_rank(next(counts), size) for size in param.gate_sizes] + [1]
+            if layer.fqn not in self.dead and all(ranks):  # cores and gates at those ranks
                 total += sum(r * s * q for r, s, q in zip(ranks, modes, ranks[1:])) + sum(ranks[1:-1])
         return total
 
@@ -432,11 +517,20 @@ class RankAdaptation:
         if self.step > 0 and self.effective_params() <= self.target_params:
             self.switch_stage()
             return
+        if self._converged():
+            self.switch_stage()
+
+    def _converged(self) -> bool:
+        """The loss EMA improved over the last ``converge_window`` steps by less than ``converge_tol``
+        of its value then, or by less than ``converge_tol`` of all its progress so far (from its
+        highest value to now): the second holds too for a loss that keeps falling by a constant
+        factor toward zero, which the first never sees as converged."""
         trace = self._loss_trace
-        if len(trace) > self.converge_window:
-            old, new = trace[0], trace[-1]
-            if old - new < self.converge_tol * abs(old):
-                self.switch_stage()
+        if len(trace) <= self.converge_window:
+            return False
+        old, new = trace[0], trace[-1]
+        progress = max(self._loss_peak - new, 0.0) if self._loss_peak is not None else 0.0
+        return old - new < self.converge_tol * max(abs(old), progress)
 
     def _penalty_weight(self) -> float:
         if self.stage == "early":
@@ -455,7 +549,7 @@ class RankAdaptation:
         key = (device, tuple(tuple(lay.param.gate_sizes) for lay in self.layers))
         if self._layout is not None and self._layout.key == key:
             return self._layout
-        bond_of, left, right, c_left, c_right = [], [], [], [], []
+        bond_of, left, right, c_left, c_right, active = [], [], [], [], [], []
         for sizes, coeffs in zip(key[1], self._coeffs):
             first = len(left)  # rho of global bond j sits at j + 1 in [1, rho...]
             for k, size in enumerate(sizes):  # gate k sits on bond k + 1, between cores k and k + 1
@@ -464,9 +558,10 @@ class RankAdaptation:
                 right.append(first + k + 2 if k + 1 < len(sizes) else 0)
                 c_left.append(coeffs[k])
                 c_right.append(coeffs[k + 1])
+                active.append(1.0 if size > self.min_rank else 0.0)
         self._layout = _GateLayout(
             key, *(torch.tensor(v, dtype=torch.long, device=device) for v in (bond_of, left, right)),
-            *(torch.tensor(v, dtype=torch.float32, device=device) for v in (c_left, c_right)),
+            *(torch.tensor(v, dtype=torch.float32, device=device) for v in (c_left, c_right, active)),
             [sum(sizes) for sizes in key[1]])
         return self._layout
 
@@ -486,7 +581,7 @@ class RankAdaptation:
         throughout, a fixed number of ops per step: no host synchronization on the GPU."""
         layout = self._gate_layout()
         gates = self._all_gates()
-        weights = self._bond_weights(layout, gates) * (gamma / self._size_ref)
+        weights = self._bond_weights(layout, gates) * layout.active * (gamma / self._size_ref)
         return list((torch.sign(gates).float() * weights[layout.bond_of]).split(layout.entries))
 
     @torch.no_grad()
@@ -516,6 +611,7 @@ class RankAdaptation:
         if self.scale == "grad":
             self._update_grad_ref()
         self._gamma_t = self._penalty_weight()
+        self._snapshot_scaled_gates()
         unit = self._unit()
         if self._gamma_t == 0 or unit is None:
             return
@@ -532,8 +628,30 @@ class RankAdaptation:
         if grads:
             torch._foreach_add_(grads, pushes)
 
+    def _snapshot_scaled_gates(self) -> None:
+        """The gates whose step ``gate_lr_scale`` multiplies, as they are before the step."""
+        self._scaled = [(lay.param.gate_flat, s, lay.param.gate_flat.detach().clone())
+                        for lay, s in zip(self.layers, self._gate_scales)
+                        if s != 1.0 and lay.fqn not in self.dead and lay.param.gate_flat.requires_grad]
+
+    def _scale_gate_steps(self) -> None:
+        """``g <- g_before + scale * (g - g_before)``: for SGD, Adam(W), RMSprop, ... the step the
+        gates would take at ``scale`` times their group's lr."""
+        scaled, self._scaled = self._scaled, []
+        by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for param, s, before in scaled:
+            if param.shape != before.shape:  # resized by someone inside the step: leave it
+                continue
+            params, deltas = by_scale.setdefault(s, ([], []))
+            params.append(param.data)
+            deltas.append(before)
+        for s, (params, befores) in by_scale.items():
+            torch._foreach_sub_(befores, params)  # before - after = -step
+            torch._foreach_add_(params, befores, alpha=-(s - 1.0))
+
     @torch.no_grad()
     def _post_step(self, optimizer, args, kwargs) -> None:
+        self._scale_gate_steps()
         self.step += 1
         if self.prune_every and self.step % self.prune_every == 0:
             self.prune()
@@ -569,13 +687,21 @@ class RankAdaptation:
                     i += m.numel()
         return mags
 
+    def _kept_rank(self, above: int, size: int) -> int:
+        """The rank a bond of ``size`` gates keeps when ``above`` of them are >= the threshold: at
+        least ``min_rank`` (never more than it has), rounded up to ``rank_multiple``."""
+        n = max(above, self.min_rank)
+        if n == 0:
+            return 0
+        m = self.rank_multiple
+        return min(size, -(-n // m) * m)
+
     def _keep(self, mag: torch.Tensor) -> torch.Tensor:
-        """Indices (ascending) of the gates of one bond that survive; empty: the bond is gone."""
-        n = int((mag >= self.threshold).sum())
+        """Indices (ascending) of the gates of one bond that survive (the largest); empty: the bond
+        is gone (only with ``min_rank=0``)."""
+        n = self._kept_rank(int((mag >= self.threshold).sum()), mag.numel())
         if n == 0:
             return torch.zeros(0, dtype=torch.long)
-        m = self.rank_multiple
-        n = min(mag.numel(), -(-n // m) * m)
         order = torch.sort(mag, descending=True, stable=True).indices[:n]
         return torch.sort(order).values
 
@@ -604,7 +730,26 @@ class RankAdaptation:
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
                     value.zero_()
         self.dead.append(layer.fqn)
-        log.info("RankAdaptation: %s lost a whole bond; its weight is zero from now on", layer.fqn)
+        warnings.warn(f"RankAdaptation: step {self.step}: every rank gate of a bond of {layer.fqn} fell below "
+                      f"the threshold {self.threshold:g} and min_rank=0 lets the bond go: the layer's weight is "
+                      "zero from now on (only its bias is left). Set min_rank >= 1 to keep every layer.",
+                      stacklevel=2)
+
+    def _warn_if_floored(self, layer: _RankedLayer, mags: list[torch.Tensor]) -> None:
+        """A bond whose every gate fell below the threshold keeps its largest ``min_rank`` gates
+        instead of zeroing the layer: say so, once per layer."""
+        if layer.fqn in self._floored:
+            return
+        for k, mag in enumerate(mags):
+            if mag.numel() and float(mag.max()) < self.threshold:
+                self._floored.add(layer.fqn)
+                warnings.warn(f"RankAdaptation: step {self.step}: every rank gate of bond {k + 1} of {layer.fqn} "
+                              f"fell below the threshold {self.threshold:g} (largest {float(mag.max()):.3g}); "
+                              f"min_rank={self.min_rank} keeps the largest, so the layer stays, at rank "
+                              f"{min(self.min_rank, mag.numel())} on that bond (without the floor the layer "
+                              "would be zeroed). A weaker penalty (gamma) or a lower threshold prunes less.",
+                              stacklevel=3)
+                return
 
     @torch.no_grad()
     def prune(self) -> bool:
@@ -621,6 +766,7 @@ class RankAdaptation:
                 self._kill(layer)
                 changed |= before != param.core_shapes
                 continue
+            self._warn_if_floored(layer, layer_mags)
             positions = param.positions()
             cut = False
             for k, keep in enumerate(keeps):
@@ -664,7 +810,7 @@ class RankAdaptation:
             "dead": list(self.dead), "loss_trace": list(self._loss_trace), "gamma_t": self._gamma_t,
             "grad_ref": None if self._grad_ref is None else self._grad_ref.item(),
             "history": [dict(h) for h in self.history], "limit_base": self._limit_base,
-            "size_ref": self._size_ref,
+            "size_ref": self._size_ref, "loss_peak": self._loss_peak,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -678,8 +824,10 @@ class RankAdaptation:
         self.loss_avg = state["loss_avg"]
         self.loss_target = state["loss_target"]
         self.prune_events = int(state["prune_events"])
-        self.dead = list(state["dead"])
+        dead = set(state["dead"]) | set(self._find_dead())
+        self.dead = [lay.fqn for lay in self.layers if lay.fqn in dead]
         self._loss_trace = list(state["loss_trace"])
+        self._loss_peak = state.get("loss_peak", max(self._loss_trace, default=None))
         self._gamma_t = state["gamma_t"]
         ref = state.get("grad_ref")
         device = self.layers[0].param.gate_flat.device

@@ -6,9 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,9 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.rank_adaptation import RankAdaptation, size_coefficients
 from comera_compile.tensorize import tt_parametrization
-from test_tt_storage import slice_bonds, split_per_core
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tensorize"))  # the flat-storage tests' helpers
+from test_tt_storage import slice_bonds, split_per_core  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,7 +256,9 @@ def test_optimizer_state_is_sliced_like_a_fresh_optimizer(kind):
 
     net = make_net()
     opt = make_opt(net.parameters())
-    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0, loss_from="observe")
+    # gate_lr_scale=1: the reference below is a plain optimizer (the gate step scaling has its own test)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0, loss_from="observe",
+                            gate_lr_scale=1)
     for step in range(3):  # populate the state
         idx, target = batch(step)
         net(idx, target).backward()
@@ -346,7 +352,7 @@ def test_a_model_with_a_ranker_deep_copies_after_pruning():
 def test_layer_losing_a_bond_becomes_a_zero_bias_only_layer():
     net = make_net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
-    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.1, prune_every=0)
+    ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.1, prune_every=0, min_rank=0)
     for step in range(2):
         idx, target = batch(step)
         net(idx, target).backward()
@@ -356,7 +362,8 @@ def test_layer_losing_a_bond_becomes_a_zero_bias_only_layer():
     fc2_ranks = ranker.ranks()["fc2"]
     with torch.no_grad():
         fc1.gates[2].zero_()  # the whole bond is below the threshold
-    ranker.prune()
+    with pytest.warns(UserWarning, match=r"fc1.*min_rank=0.*zero from now on"):
+        ranker.prune()
     assert ranker.ranks()["fc1"] == [0, 0, 0, 0]
     assert fc1.module.weight.abs().max() == 0
     x = torch.randn(5, 32)
@@ -697,7 +704,9 @@ def test_default_settings_prune_within_a_few_hundred_steps():
 def test_slow_gate_learning_rate_warns_with_the_fix():
     net = MLP(rank=4, seed=0)
     with pytest.warns(UserWarning, match=r"fewer than 9,900 steps.*cc.param_groups"):
-        RankAdaptation(net, torch.optim.AdamW(net.parameters(), lr=1e-4), target_compression=5)
+        RankAdaptation(net, torch.optim.AdamW(net.parameters(), lr=1e-4), target_compression=5, gate_lr_scale=1)
+    with pytest.warns(UserWarning, match=r"lr 1e-05 x gate_lr_scale 10\).*fewer than 9,900 steps.*cc.param_groups"):
+        RankAdaptation(net, torch.optim.AdamW(net.parameters(), lr=1e-5), target_compression=5)  # gates at 10x
     import warnings
 
     with warnings.catch_warnings():
@@ -744,3 +753,285 @@ def test_loss_is_read_from_a_model_output_or_a_dict(as_dict):
     assert ranker.loss_avg == pytest.approx(expected)
     ranker.switch_stage()  # no "without an observed loss" warning: the loss was observed
     assert ranker.loss_target == pytest.approx(expected * 1.02)
+
+
+# ---------------------------------------------------------------------------------- plain optimizers
+
+
+class IssueMLP(nn.Module):
+    """64 -> 256 -> 64 with GELU, tensorized by ``cc.TTConfig(rank=16)`` (``fmt`` given or the default)."""
+
+    def __init__(self, seed, fmt=None, rank=16):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 64)
+        cc.tensorize_(self, cc.TTConfig(rank=rank) if fmt is None else cc.TTConfig(rank=rank, fmt=fmt, min_size=0))
+
+    def forward(self, x, y=None):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return h if y is None else F.mse_loss(h, y)
+
+
+def train_issue_setup(fmt, groups, steps, **options):
+    """The issue's set-up: a rank-2 teacher of the same format the student can fit exactly (the loss
+    falls toward zero), AdamW at lr 3e-3 over ``model.parameters()`` or ``cc.param_groups``,
+    RankAdaptation(target_compression=4) with ``options``; stops at the first pruning event."""
+    teacher = IssueMLP(seed=100, fmt=fmt or "auto", rank=2)
+    student = IssueMLP(seed=1, fmt=fmt)
+    assert [lay.spec.fmt for lay in cc.iter_tt_layers(student)] == ["tt" if fmt == "tt" else "ttm"] * 2
+    opt = torch.optim.AdamW(cc.param_groups(student, lr=3e-3) if groups else student.parameters(), lr=3e-3)
+    ranker = RankAdaptation(student, opt, target_compression=4.0, **options)
+    for step in range(steps):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            y = teacher(x)
+        student(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if ranker.prune_events:
+            break
+    return ranker
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["model.parameters", "param_groups"])
+@pytest.mark.parametrize("fmt", [None, "tt"], ids=["default-fmt", "tt"])
+def test_defaults_prune_on_a_plain_optimizer_in_both_formats(fmt, groups):
+    """Every RankAdaptation option at its default: the first pruning event within 400 steps on a
+    ``model.parameters()`` optimizer as on ``cc.param_groups``, in both formats (the plain
+    optimizer trained the gates at the cores' lr: no pruning in 1,500 steps)."""
+    ranker = train_issue_setup(fmt, groups, steps=400)
+    assert ranker.prune_events >= 1, f"no gate pruned in {ranker.step} steps; ranks {ranker.ranks()}"
+    first = list(ranker.history[0]["ranks"].values())
+    now = list(ranker.ranks().values())
+    assert sum(map(sum, now)) < sum(map(sum, first)) and all(min(r) >= 1 for r in now), (first, now)
+    assert ranker.prune_events == 1 and ranker.step % ranker.prune_every == 0
+
+
+def test_gate_lr_scale_is_the_gates_lr_times_the_scale():
+    """gate_lr_scale='auto' on a plain optimizer trains exactly as the same optimizer with the gates in
+    a group of their own at 10x lr (weight decay, momentum and Adam's moments included); on
+    cc.param_groups it changes nothing; a number scales the gates' lr by it."""
+    def run(kind, layout, scale):
+        net = make_net()
+        gate_ids = {id(lay.param.gate_flat) for lay in cc.iter_tt_layers(net)}
+        others = [p for p in net.parameters() if id(p) not in gate_ids]
+        gates = [p for p in net.parameters() if id(p) in gate_ids]
+        lr = 1e-2
+        if layout == "plain":
+            params = net.parameters()
+        elif layout == "own-group":  # the reference: nothing scaled, the gates at scale x lr
+            params = [{"params": others}, {"params": gates, "lr": scale * lr}]
+        else:
+            params = cc.param_groups(net, lr=lr, weight_decay=0.1, gate_weight_decay=0.1)
+        opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, weight_decay=0.1, nesterov=True),
+               "adam": lambda p: torch.optim.Adam(p, lr=lr, amsgrad=True),
+               "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1)}[kind](params)
+        if layout != "own-group":
+            ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0,
+                                    gate_lr_scale="auto" if scale is None else scale)
+            assert ranker._gate_scales == [10.0 if scale is None and layout == "plain" else (scale or 1.0)] * 3
+        run_steps(net, opt, range(6))
+        return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    for kind in ("sgd", "adam", "adamw"):
+        for got, want in ((run(kind, "plain", None), run(kind, "own-group", 10.0)),
+                          (run(kind, "plain", 3.0), run(kind, "own-group", 3.0))):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
+        # cc.param_groups: the gates have their own group, 'auto' leaves them alone (bitwise)
+        with_groups = run(kind, "groups", None)
+        net = make_net()
+        opt = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+               "adam": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+               "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[kind](
+            cc.param_groups(net, lr=1e-2, weight_decay=0.1, gate_weight_decay=0.1))
+        run_steps(net, opt, range(6))
+        for name, p in net.named_parameters():
+            assert torch.equal(with_groups[name], p), (kind, name)
+
+
+def reference_switch_step(losses, decay, window, tol):
+    """The documented automatic switch in plain Python: the first step whose loss EMA improved over
+    the last ``window`` steps by less than ``tol`` of its value then or of its whole descent so far."""
+    ema, trace, peak = None, [], -math.inf
+    for step, value in enumerate(losses):
+        ema = value if ema is None else decay * ema + (1 - decay) * value
+        peak = max(peak, ema)
+        trace.append(ema)
+        if len(trace) > window:
+            old, new = trace[-window - 1], trace[-1]
+            if old - new < tol * max(abs(old), peak - new):
+                return step
+    return None
+
+
+def test_the_early_stage_ends_when_the_loss_falls_toward_zero():
+    """A loss that halves every ~70 steps toward 0 (1 -> 1e-4 in 920 steps) improves by ~63% per
+    window forever, so the relative test alone never switched; the descent test ends the early
+    stage once a window brings < 1% of the descent so far (here at step 537, the loss at 0.5% of
+    its start)."""
+    losses = [math.exp(-step / 100) for step in range(1500)]
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
+    for value in losses:
+        ranker.observe(torch.tensor(value))
+        opt.step()
+        if ranker.stage == "late":
+            break
+    want = reference_switch_step(losses, decay=0.95, window=100, tol=0.01)
+    assert want is not None and losses[want] < 1e-2
+    assert ranker.stage == "late" and ranker.switch_step == want, (ranker.switch_step, want)
+    assert ranker.loss_target == pytest.approx(ranker.loss_avg * 1.02)
+    # a resumed ranker goes on from the same descent
+    state = ranker.state_dict()
+    other = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
+    other.load_state_dict(state)
+    assert other._loss_peak == ranker._loss_peak == pytest.approx(1.0)
+
+
+def test_the_switch_on_a_plateau():
+    """A loss that levels off at a floor switches by the same rule, a few windows into the plateau
+    (step 268; the relative test alone: step 288)."""
+    losses = [0.5 + math.exp(-step / 30) for step in range(600)]
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
+    for value in losses:
+        ranker.observe(torch.tensor(value))
+        opt.step()
+    want = reference_switch_step(losses, decay=0.95, window=100, tol=0.01)
+    assert ranker.switch_step == want and 100 < want < 300
+
+
+# ---------------------------------------------------------------------------------- min_rank
+
+
+def zero_gates_except(net, fqn, bond, values):
+    """Set one bond's gates to ``values`` (all below the default threshold 1e-2)."""
+    with torch.no_grad():
+        tt_layers(net)[fqn].param.gates[bond].copy_(torch.tensor(values))
+
+
+@pytest.mark.parametrize("min_rank", [1, 2])
+def test_min_rank_keeps_the_largest_gates_of_a_bond_below_the_threshold(min_rank):
+    """Every gate of fc1's third bond below the threshold: the bond keeps its ``min_rank`` largest
+    gates (values unchanged) and the layer computes what it computed with the others set to zero;
+    the size the late stage steers by counts the bond at that rank; the bond is not pushed further;
+    a warning says the layer stays only thanks to the floor."""
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, min_rank=min_rank)
+    values = [0.004, 0.009, 0.001, 0.007, 0.002, 0.003]
+    zero_gates_except(net, "fc1", 2, values)
+    ref = copy.deepcopy(net)  # the reference: the same model with the pruned gates set to zero
+    keep = sorted(sorted(range(6), key=lambda i: -values[i])[:min_rank])
+    with torch.no_grad():
+        tt_layers(ref)["fc1"].param.gates[2][[i for i in range(6) if i not in keep]] = 0.0
+    expected_size = ranker.effective_params()
+    floored = rf"bond 3 of fc1 fell below the threshold.*min_rank={min_rank} keeps.*rank {min_rank} on that bond"
+    with pytest.warns(UserWarning, match=floored):
+        assert ranker.prune()
+    assert ranker.ranks()["fc1"] == [4, 6, min_rank, 6] and ranker.dead == []
+    assert tt_layers(net)["fc1"].param.gates[2].tolist() == pytest.approx([values[i] for i in keep])
+    idx, _ = batch(0, n=40)
+    with torch.no_grad():
+        torch.testing.assert_close(net(idx), ref(idx), rtol=1e-5, atol=1e-7)
+    assert ranker.num_params() == cc.compression_report(net).params == expected_size
+    pushes = dict(zip(tt_layers(net), ranker.penalty_gradients(1.0)))
+    assert torch.count_nonzero(pushes["fc1"][2]) == 0  # at its floor: nothing to push
+    assert all(torch.count_nonzero(p) == p.numel() for k, p in enumerate(pushes["fc1"]) if k != 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per layer
+        zero_gates_except(net, "fc1", 1, [0.001] * 6)
+        ranker.prune()
+    assert ranker.ranks()["fc1"] == [4, min_rank, min_rank, 6]
+
+
+def test_a_penalty_that_overwhelms_the_loss_keeps_every_layer_by_default():
+    """An absolute penalty 100x the loss gradients drives every gate to the threshold at once: with
+    the defaults every bond keeps a rank (no layer is deleted) and says so; min_rank=0 deletes the
+    layers, each with a warning naming it."""
+    def train(**options):
+        net = make_net()
+        opt = torch.optim.Adam(cc.param_groups(net, lr=3e-3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ranker = RankAdaptation(net, opt, target_compression=100, prune_every=10, gamma=0.1, scale="absolute",
+                                    **options)
+            run_steps(net, opt, range(150))
+        messages = [str(w.message) for w in caught if "RankAdaptation: step" in str(w.message)]
+        return net, ranker, messages
+
+    net, ranker, messages = train()
+    assert ranker.dead == [] and all(min(r) >= 1 for r in ranker.ranks().values())
+    assert all(tt_layers(net)[fqn].module.weight.detach().abs().max() > 0 for fqn in ranker.ranks())
+    assert sorted(re.search(r"bond \d of (\w+) fell", m).group(1) for m in messages) == ["emb", "fc1", "fc2"]
+    net, ranker, messages = train(min_rank=0)
+    assert ranker.dead == ["emb", "fc1", "fc2"] and ranker.ranks()["fc1"] == [0, 0, 0, 0]
+    assert sorted(re.search(r"a bond of (\w+) fell", m).group(1) for m in messages) == ["emb", "fc1", "fc2"]
+    assert all("min_rank=0" in m and "zero from now on" in m for m in messages)
+
+
+def test_bad_min_rank_and_gate_lr_scale_raise():
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"min_rank must be an int >= 0"):
+            RankAdaptation(net, opt, target_compression=2, min_rank=bad)
+    for bad in ("fast", 0, -2.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=r"gate_lr_scale must be 'auto' or a number > 0"):
+            RankAdaptation(net, opt, target_compression=2, gate_lr_scale=bad)
+    with pytest.raises(ValueError, match=r"converge_window must be an int >= 1"):
+        RankAdaptation(net, opt, target_compression=2, converge_window=0)
+    with pytest.raises(ValueError, match=r"converge_tol must be >= 0"):
+        RankAdaptation(net, opt, target_compression=2, converge_tol=-0.1)
+
+
+# ---------------------------------------------------------------------------------- one definition of rank
+
+
+def _reload(state, order):
+    """A new model and ranker from ``state`` (model, optimizer, ranker), in one of three orders."""
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    if order == "ranker-then-load":
+        ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, min_rank=state["min_rank"])
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        ranker.load_state_dict(state["ranker"])
+        return ranker
+    net.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, min_rank=state["min_rank"])
+    if order == "load-then-ranker":
+        ranker.load_state_dict(state["ranker"])
+    return ranker  # "model-only": a ranker without the saved state, on the loaded model
+
+
+@pytest.mark.parametrize("min_rank", [0, 1])
+def test_ranks_are_the_same_after_a_checkpoint_round_trip(min_rank):
+    """fc1 loses every gate of a bond: with min_rank=0 it is zeroed (ranks 0 everywhere), with the
+    default it keeps rank 1 on that bond. ranks(), the history, the effective size and the layer's
+    weight read the same at the end of training and after reloading the checkpoint, with or without
+    the ranker's state."""
+    net = make_net()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    ranker = RankAdaptation(net, opt, target_compression=10, prune_every=0, min_rank=min_rank)
+    run_steps(net, opt, range(2))
+    zero_gates_except(net, "fc1", 2, [0.0] * 6)
+    with pytest.warns(UserWarning, match="fc1"):
+        ranker.prune()
+    run_steps(net, opt, range(2, 4))
+    want = {"emb": [6, 6], "fc1": [0, 0, 0, 0] if min_rank == 0 else [4, 6, 1, 6], "fc2": [6, 6, 6, 4]}
+    assert ranker.ranks() == ranker.history[-1]["ranks"] == want
+    state = {"model": copy.deepcopy(net.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
+             "ranker": ranker.state_dict(), "min_rank": min_rank}
+    sizes = (ranker.num_params(), ranker.effective_params())
+    for order in ("ranker-then-load", "load-then-ranker", "model-only"):
+        again = _reload(state, order)
+        assert again.ranks() == want, order
+        assert (again.num_params(), again.effective_params()) == sizes, order
+        fc1 = tt_layers(again.model)["fc1"].module
+        assert (fc1.weight.detach().abs().max() == 0) == (min_rank == 0), order
