@@ -304,8 +304,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--init-from", type=Path, default=None, metavar="PT",
                    help="start from a model --save wrote: a dense one before --tensorize (with --tt-init svd: "
-                        "TT-SVD of it), a tensorized one (its ranks) after")
-    g.add_argument("--save", type=Path, default=None, metavar="PT", help="save the trained model's state_dict here")
+                        "TT-SVD of it), a tensorized one (its ranks) after. With --rank-adapt, a checkpoint of a "
+                        "rank-adaptive run with steps left before --steps resumes it: the optimizer and the ranker "
+                        "continue from their saved state at the saved step (same lr schedule and batches)")
+    g.add_argument("--save", type=Path, default=None, metavar="PT",
+                   help="save the trained model's state_dict here, with the optimizer's and the ranker's state "
+                        "and the step (what --init-from resumes from)")
+    g.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop after this step of the --steps schedule (then eval, --save: a run to resume)")
     g = p.add_argument_group("logging")
     g.add_argument("--eval-every", type=int,
                    help="validation loss (of the uncompiled model) every N steps and at the end; 0: end only")
@@ -332,6 +338,8 @@ def _default_cache_dir() -> Path:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after must be a step in 1..--steps ({args.steps}), got {args.stop_after}")
     if (args.rank_adapt_options or args.rank_plot) and args.rank_adapt is None:
         p.error("--rank-adapt-options and --rank-plot need --rank-adapt TARGET_COMPRESSION")
     if args.tensorize is not None:
@@ -467,9 +475,44 @@ def compile_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
     return torch.compile(model, backend=args.backend, options=options or None, dynamic=args.dynamic or None)
 
 
-def read_checkpoint(path: Path, device: torch.device) -> dict:
-    """The model state --save wrote."""
-    return torch.load(path, map_location=device, weights_only=True)["model"]
+def read_checkpoint(path: Path, device: torch.device) -> tuple[dict, dict | None]:
+    """The model state --save wrote, and the training state saved with it (None in a checkpoint
+    that has none)."""
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    return checkpoint["model"], checkpoint.get("train_state")
+
+
+def train_state(step: int, opt: torch.optim.Optimizer, ranker, generator: torch.Generator,
+                device: torch.device) -> dict:
+    """What resuming needs besides the model: the steps done, the optimizer's and the ranker's state,
+    the training batches' generator and the RNG states (dropout)."""
+    state = {"step": step, "optimizer": opt.state_dict(), "ranker": None if ranker is None else ranker.state_dict(),
+             "generator": generator.get_state(), "rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, generator: torch.Generator,
+                args: argparse.Namespace, device: torch.device) -> int:
+    """Restore a rank-adaptive run from its checkpoint's training state; returns the step to go on
+    from (0: nothing to resume, the checkpoint's weights only: no --rank-adapt, a checkpoint without a
+    ranker's state, or no steps left before --steps)."""
+    if state is None or ranker is None or state.get("ranker") is None:
+        return 0
+    if state["step"] >= args.steps:
+        print(f"--init-from {args.init_from}: saved at step {state['step']}, not before --steps {args.steps}: "
+              "its weights only (the optimizer and the ranker start anew)")
+        return 0
+    opt.load_state_dict(state["optimizer"])
+    ranker.load_state_dict(state["ranker"])
+    generator.set_state(state["generator"])
+    torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
+    print(f"resuming at step {state['step']} of {args.steps}: optimizer and ranker state restored "
+          f"(stage {ranker.stage}, {ranker.prune_events} pruning events, ranks {ranker.ranks()})")
+    return int(state["step"])
 
 
 def is_tensorized(state: dict) -> bool:
@@ -597,7 +640,7 @@ def main(argv: list[str] | None = None) -> dict:
           + (f" ({'cached' if data.from_cache else 'now cached'} in {data.cache})" if data.cache else ""))
 
     model = build_model(args, data.tokenizer.vocab_size, device)
-    state = read_checkpoint(args.init_from, device) if args.init_from is not None else None
+    state, saved_training = read_checkpoint(args.init_from, device) if args.init_from is not None else (None, None)
     if state is not None and not is_tensorized(state):
         load_checkpoint(model, state, args.init_from)  # before compress: --tt-init svd factors the trained weights
     dense_params, dense_block_params = sum(p.numel() for p in model.parameters()), block_parameters(model)
@@ -625,11 +668,13 @@ def main(argv: list[str] | None = None) -> dict:
            "steps": [], "evals": [], "complete": False}
     val_batches = data.eval_batches(args.batch_size, args.seq_len, args.eval_batches)
     generator = torch.Generator().manual_seed(args.seed)
+    first_step = resume_from(saved_training, opt, ranker, generator, args, device)
+    end_step = args.steps if args.stop_after is None else args.stop_after
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args.steps, args.log_every, enabled=not args.no_progress)
     timed_tokens, timed_seconds = 0, 0.0
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, end_step):
         factor = lr_factor(step, args)
         for group, base in zip(opt.param_groups, base_lrs):
             group["lr"] = base * factor
@@ -646,7 +691,7 @@ def main(argv: list[str] | None = None) -> dict:
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()  # synchronizes, so the timing below is the step's real time
         seconds = time.perf_counter() - t0
-        if step > 0:  # the first step includes compilation
+        if step > first_step:  # the first step includes compilation
             timed_tokens += tokens_per_step
             timed_seconds += seconds
         else:
@@ -666,7 +711,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     stage=rank_state["stage"])
             stats.update(ratio=f"{rank_state['compression']:.1f}x", stage=rank_state["stage"])
         progress.update(step, **stats)
-        last = step + 1 == args.steps
+        last = step + 1 == end_step
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
             val_loss = evaluate(model, val_batches, device, autocast)  # eager: no eval graph to compile, nor to
             # recompile after each pruning event
@@ -679,12 +724,13 @@ def main(argv: list[str] | None = None) -> dict:
             write_log(log, args.out)
     progress.close()
     finish(log, model, compiled, ranker, data, args, device, time.perf_counter() - start,
-           timed_tokens / timed_seconds if timed_seconds else None)
+           timed_tokens / timed_seconds if timed_seconds else None,
+           lambda: train_state(end_step, opt, ranker, generator, device))
     return log
 
 
 def finish(log: dict, model: nn.Module, compiled: nn.Module, ranker, data: TokenData, args: argparse.Namespace,
-           device: torch.device, total_s: float, tokens_per_s: float | None) -> None:
+           device: torch.device, total_s: float, tokens_per_s: float | None, training_state=None) -> None:
     """Sizes, speed and memory into the log; the summary lines; the rank plot, sample, checkpoint and JSON."""
     memory = peak_memory(device)
     final_params = sum(p.numel() for p in model.parameters())
@@ -711,13 +757,17 @@ def finish(log: dict, model: nn.Module, compiled: nn.Module, ranker, data: Token
             args.rank_plot.parent.mkdir(parents=True, exist_ok=True)
             ranker.plot(str(args.rank_plot), losses=[(e["step"], e["loss"]) for e in log["steps"]])
             print(f"rank plot written to {args.rank_plot}")
+    saved_state = training_state() if args.save is not None and training_state is not None else None
     if args.sample_tokens:
         text = sample(model, data, args, device, prompt="def ")
         print("sample:\n" + text)
         log["sample"] = text
     if args.save is not None:
         args.save.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "args": log["args"]}, args.save)
+        checkpoint = {"model": model.state_dict(), "args": log["args"]}
+        if saved_state is not None:  # taken before sampling
+            checkpoint["train_state"] = saved_state
+        torch.save(checkpoint, args.save)
         print(f"model saved to {args.save}")
     log["complete"] = True
     write_log(log, args.out)

@@ -659,6 +659,45 @@ def test_train_lm_rank_adapt_flag(tmp_path):
         train_lm.parse_args(["--rank-plot", str(plot)])
 
 
+def test_train_lm_resumes_a_rank_adaptive_run_bitwise(tmp_path):
+    """examples/train_lm.py: a run stopped at step 6 of 12 (--stop-after 6 --save) and resumed by
+    --init-from ends exactly where the uninterrupted run ends: the same per-step losses, pruning
+    events, ranker history (stages, ranks, penalty weights) and weights, dropout included. A
+    checkpoint with no steps left before --steps loads as weights only (the ranker starts anew)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_train_lm_resume", ROOT / "examples" / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    flags = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8",
+             "--steps", "12", "--lr", "1e-2", "--eval-every", "0", "--eval-batches", "1", "--max-corpus-mb", "1",
+             "--device", "cpu", "--no-progress", "--seed", "0", "--backend", "eager", "--dropout", "0.1",
+             "--tensorize", "16", "--rank-adapt", "4",
+             "--rank-adapt-options", '{"prune_every": 3, "threshold": 0.95, "gamma": 0.5, "switch": 5}']
+    full = train_lm.main(flags + ["--save", str(tmp_path / "full.pt")])
+    half = train_lm.main(flags + ["--stop-after", "6", "--save", str(tmp_path / "half.pt")])
+    resumed = train_lm.main(flags + ["--init-from", str(tmp_path / "half.pt"), "--save", str(tmp_path / "resumed.pt")])
+    assert [s["step"] for s in half["steps"]] == list(range(1, 7))
+    assert [s["step"] for s in resumed["steps"]] == list(range(7, 13))
+    assert 1 <= half["prune_events"] < full["prune_events"] == resumed["prune_events"]  # prunes in both halves
+    assert half["steps"][-1]["stage"] == "late"  # the resumed ranker goes on in the late stage
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"][6:]]
+    assert resumed["rank_history"] == full["rank_history"] and len(full["rank_history"]) == 12
+    assert resumed["val_loss"] == full["val_loss"]
+    want = torch.load(tmp_path / "full.pt", weights_only=True)
+    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    assert got["model"].keys() == want["model"].keys()
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    assert got["train_state"]["step"] == want["train_state"]["step"] == 12
+    assert got["train_state"]["ranker"]["history"] == want["train_state"]["ranker"]["history"]
+    again = train_lm.main(flags + ["--steps", "3", "--init-from", str(tmp_path / "full.pt")])
+    assert again["final_parameters"] <= full["final_parameters"]  # loaded at the pruned ranks
+    assert [h["step"] for h in again["rank_history"]] == [1, 2, 3]  # a new ranker
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(flags + ["--stop-after", "13"])
+
+
 # ---------------------------------------------------------------------------------- pace and defaults
 
 
