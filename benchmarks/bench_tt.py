@@ -98,21 +98,18 @@ def run_linear(name, fmt, rm, cm, rank, n, device, smoke) -> None:
     for strategy in ("factored", "dense"):
         if strategy == "factored" and fmt != "tt":
             continue
-        p = planner.plan_tt_linear(fmt, rm, cm, spec.ranks, n, x.element_size(), cudagraphs=True)
-        split = len(rm) if strategy == "factored" else planner._best_split(fmt, rm, cm, spec.ranks)
-        left = planner.bracket_cores(fmt, rm, cm, spec.ranks, 0, split)
-        right = planner.bracket_cores(fmt, rm, cm, spec.ranks, split, len(spec.ranks) - 1)
-        plans[strategy] = (split, left, right, dict(p.candidates).get(strategy), p.strategy)
+        p = planner.plan_linear(spec, n, x.element_size(), cudagraphs=True)
+        cut = planner.cut_at(spec, spec.bottleneck if strategy == "factored" else planner.dense_split(spec))
+        plans[strategy] = (cut, dict(p.candidates).get(strategy), p.strategy)
 
     leaves = [x, *cores, *gates]
 
     def ours(strategy):
-        split, left, right, _, _ = plans[strategy]
+        cut, _, _ = plans[strategy]
 
         def fn():
             out = "factors" if strategy == "factored" else "dense_t"
-            parts = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, split, left,
-                                             right, out, dt)
+            parts = tt_runtime.group_outputs(*_flats(cores, gates), spec, cut, out, dt)
             y = F.linear(tt_runtime.project(x, parts[0], dt), parts[1]) if strategy == "factored" else F.linear(x, parts[0])
             return y, torch.autograd.grad(y, leaves, dy)  # no AccumulateGrad: capturable
         return fn
@@ -122,7 +119,7 @@ def run_linear(name, fmt, rm, cm, rank, n, device, smoke) -> None:
     def dense():
         return torch.autograd.grad(F.linear(x, w), [x, w], dy)
 
-    print(f"{name} at {n} tokens (planner picks {next(iter(plans.values()))[4]})")
+    print(f"{name} at {n} tokens (planner picks {next(iter(plans.values()))[2]})")
     for strategy in plans:
         y, grads = ours(strategy)()
         err_y, err_dx = rel(y.detach(), y_ref), rel(grads[0], dx_ref)
@@ -130,7 +127,7 @@ def run_linear(name, fmt, rm, cm, rank, n, device, smoke) -> None:
         line = f"  ours {strategy:<9} err y {err_y:.1e} dx {err_dx:.1e} {'ok' if ok else 'WRONG'}"
         if not smoke:
             t = graph_time_ms(ours(strategy))
-            est = plans[strategy][3]
+            est = plans[strategy][1]
             line += f"  {t * 1e3:8.1f} us  (planner est {est * 1e6:.1f} us)"
         print(line, flush=True)
     if not smoke:
@@ -144,11 +141,10 @@ def run_embedding(name, fmt, rm, cm, rank, rows, cols, n, device, smoke) -> None
     idx = torch.randint(0, rows, (n,), device=device)
     dout = torch.randn(n, cols, device=device)
     w_ref = materialize([c.double() for c in cores], [g.double() for g in gates], spec).detach()
-    p = planner.plan_tt_embedding(fmt, rm, cm, spec.ranks, n, 4, cudagraphs=True)
+    p = planner.plan_embedding(spec, n, 4, cudagraphs=True)
 
     def ours():
-        A, B = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, spec.ranks, rows, cols, p.split, p.left,
-                                        p.right, "tables", torch.float32)
+        A, B = tt_runtime.group_outputs(*_flats(cores, gates), spec, p, "tables", torch.float32)
         out = tt_runtime.lookup(idx, A, B, rows, cols)
         return out, torch.autograd.grad(out, [*cores, *gates], dout)
 

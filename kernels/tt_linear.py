@@ -1,12 +1,12 @@
 """``comera::tt_linear``: ``x @ M[:rows, :cols] + bias`` for a tensor-train matrix M, as one op.
 
-``M`` is stored as TT cores and rank gates in the formats of DESIGN.md (``"tt"`` or ``"ttm"``); for
-``nn.Linear(in, out)`` rows = in, cols = out and the weight is ``M.T``, so this equals
-``F.linear(x, M[:rows, :cols].T, bias)``.
+``M`` is stored as TT cores and rank gates (``"tt"`` or ``"ttm"``, the layouts of
+:mod:`comera_compile.tt.format`); for ``nn.Linear(in, out)`` rows = in, cols = out and the weight is
+``M.T``, so this equals ``F.linear(x, M[:rows, :cols].T, bias)``.
 
-It runs the plan of :func:`comera_compile.planner.plan_tt_linear` for ``x``'s token count with the
-shared executor :mod:`comera_compile.tt_runtime` (the same functions the compiled graph calls, where
-the ``tensor_network`` pass also batches the token-independent merges across layers):
+It runs the plan of :func:`comera_compile.tt.planner.plan_linear` for ``x``'s token count with the
+shared executor :mod:`comera_compile.kernels.tt_runtime` (the same functions the compiled graph calls,
+where the ``tensor_network`` pass also batches the token-independent merges across layers):
 
 * ``"factored"`` (the ``"tt"`` format's rank bottleneck): ``linear(x @ L, Rᵀ, bias)``, never forming M;
 * ``"dense"``: ``linear(x, Mᵀ, bias)`` with M merged from the cores (small token counts, ``"ttm"``).
@@ -28,49 +28,33 @@ import torch
 import torch.nn.functional as F
 
 from comera_compile.kernels import tt_runtime
-from comera_compile.tt.planner import core_ranks, plan_tt_linear
+from comera_compile.tt.format import TTSpec
+from comera_compile.tt.planner import plan_linear
 
-__all__ = ["tt_linear", "check_meta"]
+__all__ = ["tt_linear"]
 
-
-def check_meta(name: str, cores, gates, fmt: str, row_modes, col_modes, rows: int, cols: int) -> None:
-    """Clear errors for metadata that does not describe the cores (shared by the TT entry points)."""
-    d = len(cores)
-    if fmt not in ("tt", "ttm"):
-        raise ValueError(f"{name}: fmt must be 'tt' or 'ttm', got {fmt!r}")
-    want_d = len(row_modes) + len(col_modes) if fmt == "tt" else len(row_modes)
-    if d != want_d:
-        raise ValueError(f"{name}: {fmt!r} with row_modes {list(row_modes)} and col_modes {list(col_modes)} "
-                         f"needs {want_d} cores, got {d}")
-    if len(gates) != d - 1:
-        raise ValueError(f"{name}: needs {d - 1} gates (one per internal bond), got {len(gates)}")
-    if rows > math.prod(row_modes) or cols > math.prod(col_modes):
-        raise ValueError(f"{name}: rows={rows}, cols={cols} exceed the padded shape "
-                         f"{math.prod(row_modes)}x{math.prod(col_modes)}")
-    if d < 2:
-        raise ValueError(f"{name}: a single core is the dense matrix itself; use it directly")
+_NAME = "comera::tt_linear"
 
 
-def _forward(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
-    ranks = core_ranks(fmt, [c.shape for c in cores])
+def _forward(x, cores, gates, bias, spec: TTSpec):
     n = math.prod(x.shape[:-1])
-    plan = plan_tt_linear(fmt, row_modes, col_modes, ranks, max(n, 1), x.element_size())
+    plan = plan_linear(spec, max(n, 1), x.element_size())
     dtype = x.dtype
     b = bias.to(dtype) if bias is not None else None
     if plan.strategy == "factored":
-        f1, f2 = tt_runtime.layer_outputs(cores, gates, fmt, row_modes, col_modes, rows, cols, plan, "factors", dtype)
+        f1, f2 = tt_runtime.layer_outputs(cores, gates, spec, plan, "factors", dtype)
         return F.linear(tt_runtime.project(x, f1, dtype), f2, b)
-    (w,) = tt_runtime.layer_outputs(cores, gates, fmt, row_modes, col_modes, rows, cols, plan, "dense_t", dtype)
+    (w,) = tt_runtime.layer_outputs(cores, gates, spec, plan, "dense_t", dtype)
     return F.linear(x, w, b)
 
 
 @torch.library.custom_op("comera::tt_linear", mutates_args=())
 def _tt_linear_op(x: torch.Tensor, cores: list[torch.Tensor], gates: list[torch.Tensor], bias: Optional[torch.Tensor],
                   fmt: str, row_modes: list[int], col_modes: list[int], rows: int, cols: int) -> torch.Tensor:
-    check_meta("comera::tt_linear", cores, gates, fmt, row_modes, col_modes, rows, cols)
+    spec = tt_runtime.layer_spec(_NAME, cores, gates, fmt, row_modes, col_modes, rows, cols)
     if x.shape[-1] != rows:
-        raise ValueError(f"comera::tt_linear: x has {x.shape[-1]} features, the TT matrix has rows={rows}")
-    return _forward(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols)
+        raise ValueError(f"{_NAME}: x has {x.shape[-1]} features, the TT matrix has rows={rows}")
+    return _forward(x, cores, gates, bias, spec)
 
 
 @_tt_linear_op.register_fake
@@ -81,7 +65,8 @@ def _(x, cores, gates, bias, fmt, row_modes, col_modes, rows, cols):
 def _setup_context(ctx, inputs, output):
     x, cores, gates, bias, *meta = inputs
     ctx.save_for_backward(x, *cores, *gates, *([bias] if bias is not None else []))
-    ctx.n_cores, ctx.has_bias, ctx.meta = len(cores), bias is not None, meta
+    ctx.n_cores, ctx.has_bias = len(cores), bias is not None
+    ctx.spec = TTSpec.from_cores(cores, *meta)  # (checked by the forward)
 
 
 def _backward(ctx, grad):
@@ -91,7 +76,7 @@ def _backward(ctx, grad):
     bias = saved[2 * d] if ctx.has_bias else None
 
     def f(x, cores, gates, *bias):
-        return _forward(x, cores, gates, bias[0] if bias else None, *ctx.meta)
+        return _forward(x, cores, gates, bias[0] if bias else None, ctx.spec)
 
     _, vjp = torch.func.vjp(f, x, cores, gates, *([bias] if bias is not None else []))
     dx, dcores, dgates, *dbias = vjp(grad)
@@ -104,6 +89,7 @@ _tt_linear_op.register_autograd(_backward, setup_context=_setup_context)
 def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
               bias: Optional[torch.Tensor], fmt: str, row_modes: Sequence[int], col_modes: Sequence[int],
               rows: int, cols: int) -> torch.Tensor:
-    """``x @ M[:rows, :cols] + bias`` for the TT matrix given by ``cores``/``gates`` (DESIGN.md)."""
+    """``x @ M[:rows, :cols] + bias`` for the TT matrix given by ``cores``/``gates`` (ranks read off the
+    cores' shapes)."""
     return torch.ops.comera.tt_linear(x, list(cores), list(gates), bias, fmt, [int(m) for m in row_modes],
                                       [int(m) for m in col_modes], int(rows), int(cols))

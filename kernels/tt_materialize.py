@@ -31,10 +31,6 @@ __all__ = ["tt_materialize"]
 _NAME = "comera::tt_materialize"
 
 
-def _spec(fmt, row_modes, col_modes, ranks, rows, cols, transpose) -> TTSpec:
-    return TTSpec(fmt, tuple(row_modes), tuple(col_modes), tuple(ranks), rows, cols, transpose)
-
-
 @torch.library.custom_op(_NAME, mutates_args=())
 def _tt_materialize(
     core_flat: torch.Tensor,
@@ -47,7 +43,7 @@ def _tt_materialize(
     cols: int,
     transpose: bool,
 ) -> torch.Tensor:
-    spec = _spec(fmt, row_modes, col_modes, ranks, rows, cols, transpose)
+    spec = TTSpec(fmt, row_modes, col_modes, ranks, rows, cols, transpose)
     return materialize(*split_flat(core_flat, gate_flat, spec), spec)
 
 
@@ -60,7 +56,7 @@ def _(core_flat, gate_flat, fmt, row_modes, col_modes, ranks, rows, cols, transp
 
 def _setup_context(ctx, inputs, output) -> None:
     core_flat, gate_flat, *meta = inputs
-    ctx.spec = _spec(*meta)
+    ctx.spec = TTSpec(*meta)
     ctx.save_for_backward(core_flat, gate_flat)
 
 
@@ -87,9 +83,6 @@ def tt_materialize(
 ) -> torch.Tensor:
     """Python entry point: the weight of the TT given by ``cores`` and ``gates`` (concatenated into the
     op's flat storage; ranks read from the core shapes)."""
-    ranks = [int(c.shape[0]) for c in cores] + [int(cores[-1].shape[-1])]
+    spec = TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
     gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else cores[0].new_zeros(0)
-    return torch.ops.comera.tt_materialize(
-        torch.cat([c.reshape(-1) for c in cores]), gate_flat, fmt, [int(m) for m in row_modes],
-        [int(m) for m in col_modes], ranks, int(rows), int(cols), bool(transpose),
-    )
+    return torch.ops.comera.tt_materialize(*spec.materialize_args(torch.cat([c.reshape(-1) for c in cores]), gate_flat))

@@ -1,4 +1,5 @@
-"""The TT executor: what a tensor-train layer computes, shared by eager calls and compiled graphs.
+"""The TT executor: what a tensor-train layer computes, shared by eager calls and compiled graphs;
+and ``comera::tt_index_split``, the embedding lookup's range check.
 
 Everything here is plain, differentiable torch, so the same functions serve three callers:
 
@@ -7,7 +8,9 @@ Everything here is plain, differentiable torch, so the same functions serve thre
 * :func:`comera_compile.tt_linear` / :func:`comera_compile.tt_embedding` call them eagerly;
 * tests and benchmarks.
 
-The work of a layer splits into two parts (the plan of :mod:`comera_compile.planner`):
+A layer is described by its :class:`~comera_compile.tt.format.TTSpec` and the part of its plan that
+does not depend on the tokens, a :class:`~comera_compile.tt.planner.Cut` (``TTPlan.cut``, or the plan
+itself). The work of a layer splits into two parts (the plan of :mod:`comera_compile.tt.planner`):
 
 1. **token-independent**: fold each rank gate into the core on its left, cut the chain at bond
    ``split`` and merge each half in the planned order (:func:`group_outputs`). Layers with the same
@@ -20,29 +23,68 @@ The work of a layer splits into two parts (the plan of :mod:`comera_compile.plan
 
 Merges run in the site's compute dtype (bf16 under autocast: tensor cores, fp32 accumulation), with
 autocast switched off inside so the dtypes are exactly the ones written here.
+
+``comera::tt_index_split(indices, rows, ir)`` splits row indices into ``(i // ir, i % ir)`` after
+checking them the way ``nn.Embedding`` does: an index outside ``[0, rows)`` raises IndexError on the
+CPU and fails a device-side assert on the GPU (no host sync, so it is safe inside a CUDA graph). The
+rows of the padding (``rows <= i < prod(row_modes)``) are out of range too.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.planner import Bracket
+from comera_compile.tt.format import TTSpec, chain_modes
+from comera_compile.tt.planner import Bracket, Cut
 
-__all__ = ["OUTPUTS", "chain_modes", "group_outputs", "layer_outputs", "lookup", "project"]
+if TYPE_CHECKING:
+    from comera_compile.tt.planner import TTPlan
 
-OUTPUTS = ("factors", "factors_t", "dense", "dense_t", "tables")
+__all__ = ["OUTPUTS", "Output", "chain_modes", "group_outputs", "layer_outputs", "layer_spec", "lookup",
+           "project"]
+
+#: What :func:`group_outputs` returns per layer (see there).
+Output = Literal["factors", "factors_t", "dense", "dense_t", "tables"]
+OUTPUTS: tuple[str, ...] = get_args(Output)
 RANK_ALIGN = 8  # bond sizes of the factors and tables are padded to a multiple of this (16 bytes in bf16)
+_INDEX_MESSAGE = "index out of range in self"
 
 
-def chain_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> list[tuple[int, int]]:
-    """The (row, column) extent of each core's middle mode: ``(m, 1)`` / ``(1, n)`` for a ``"tt"``
-    row / column core, ``(m, n)`` for a ``"ttm"`` core."""
-    if fmt == "tt":
-        return [(int(m), 1) for m in row_modes] + [(1, int(n)) for n in col_modes]
-    return [(int(m), int(n)) for m, n in zip(row_modes, col_modes)]
+@torch.library.custom_op("comera::tt_index_split", mutates_args=())
+def _tt_index_split(indices: torch.Tensor, rows: int, ir: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"Expected tensor for argument #1 'indices' to have one of the following scalar "
+                           f"types: Long, Int; but got {indices.dtype} instead")
+    ok = (indices >= 0) & (indices < rows)
+    if indices.is_cuda:
+        torch._assert_async(ok.all(), _INDEX_MESSAGE)
+    elif indices.numel() and not bool(ok.all()):
+        raise IndexError(_INDEX_MESSAGE)
+    idx = indices.long()
+    return torch.div(idx, ir, rounding_mode="floor"), torch.remainder(idx, ir)
+
+
+@_tt_index_split.register_fake
+def _(indices, rows, ir):
+    return indices.new_empty(indices.shape, dtype=torch.int64), indices.new_empty(indices.shape, dtype=torch.int64)
+
+
+def layer_spec(op: str, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], fmt: str,
+               row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int,
+               transpose: bool = False) -> TTSpec:
+    """The spec of one layer given as lists of cores and gates (ranks read off the cores), every
+    count and shape checked (:meth:`TTSpec.from_cores`); a ValueError names ``op``. One core is
+    refused: it is the dense matrix itself."""
+    try:
+        spec = TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose, gates=gates)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+    if spec.n_cores < 2:
+        raise ValueError(f"{op}: a single core is the dense matrix itself; use it directly")
+    return spec
 
 
 def _no_autocast(t: torch.Tensor):
@@ -50,7 +92,7 @@ def _no_autocast(t: torch.Tensor):
 
 
 def _stacked_chain(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor],
-                   modes: list[tuple[int, int]], ranks: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+                   modes: Sequence[tuple[int, int]], ranks: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Per core position: the K layers' cores as [K, r, s, r] (s = m * n), each gate folded into its
     left core, in ``dtype``. The layers' flat storages are stacked once ([K, numel]); every core is a
     strided view of that stack, so the whole group costs one stack per storage, not one per core."""
@@ -80,7 +122,7 @@ def _merge(chain: list[torch.Tensor], bracket: Bracket) -> torch.Tensor:
     return out.reshape(K, r0, sa * sb, r2)
 
 
-def _to_rows_cols(t: torch.Tensor, modes: list[tuple[int, int]], rank_first: bool) -> torch.Tensor:
+def _to_rows_cols(t: torch.Tensor, modes: Sequence[tuple[int, int]], rank_first: bool) -> torch.Tensor:
     """A merged half [K, (m1 n1 m2 n2 ...), r] (or [K, r, ...] when ``rank_first``) as
     [K, prod m, prod n, r]: the modes regrouped rows first (a view for ``"tt"``, a copy for ``"ttm"``)."""
     K, r = t.shape[0], t.shape[1] if rank_first else t.shape[-1]
@@ -94,27 +136,29 @@ def _to_rows_cols(t: torch.Tensor, modes: list[tuple[int, int]], rank_first: boo
     return t.reshape(K, math.prod(m for m, _ in modes), math.prod(n for _, n in modes), r)
 
 
-def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], fmt: str,
-                  row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int], rows: int, cols: int,
-                  split: int, left: Bracket, right: Bracket, output: str,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """The token-independent work of K layers of one structure (their cores and gates in flat storage,
-    as ``comera::tt_materialize`` takes them), batched; per layer, in order:
+def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
+                  plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The token-independent work of K layers of one structure ``spec`` (their cores and gates in flat
+    storage, as ``comera::tt_materialize`` takes them), cut and merged as ``plan`` says (its ``split``,
+    ``left`` and ``right``: a :class:`~comera_compile.tt.planner.Cut` or a ``TTPlan``), batched; per
+    layer, in order:
 
     * ``"factors"``: ``(F1, F2)`` with ``x @ M = linear(x @ F1, F2)``: F1 = L[:rows] [rows, r],
-      F2 = R[:, :cols]ᵀ [cols, r] (``"tt"`` cut between its row and column modes; r zero-padded to a
-      multiple of ``RANK_ALIGN``, as for the tables);
+      F2 = R[:, :cols]ᵀ [cols, r] (cut at the spec's ``bottleneck``; r zero-padded to a multiple of
+      ``RANK_ALIGN``, as for the tables);
     * ``"factors_t"``: the same for ``x @ Mᵀ`` (a tied head): F1 = R[:, :cols]ᵀ, F2 = L[:rows];
     * ``"dense"`` / ``"dense_t"``: ``M[:rows, :cols]`` / its transpose, as ``tt_materialize`` gives it;
     * ``"tables"``: ``(A, B)``, A [I_L, O_L, r] and B [I_R, O_R, r] for :func:`lookup`.
+
+    ``output`` says which product is wanted; ``spec.transpose`` is not read.
     """
     if output not in OUTPUTS:
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
-    modes = chain_modes(fmt, row_modes, col_modes)
+    modes, ranks, rows, cols = spec.chain_modes, spec.ranks, spec.rows, spec.cols
     with _no_autocast(core_flats[0]):
         chain = _stacked_chain(core_flats, gate_flats, modes, ranks, dtype)
-        L = _merge(chain, left)[:, 0]  # [K, S_L, r]
-        R = _merge(chain, right)[..., 0]  # [K, r, S_R]
+        L = _merge(chain, plan.left)[:, 0]  # [K, S_L, r]
+        R = _merge(chain, plan.right)[..., 0]  # [K, r, S_R]
         if output in ("factors", "factors_t", "tables"):
             L, R = _pad_rank(L, R)
         if output in ("factors", "factors_t"):
@@ -123,12 +167,12 @@ def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch
                 f1, f2 = f2, f1
             return _per_layer(f1, f2)
         if output == "tables":
-            return _per_layer(_to_rows_cols(L, modes[:split], rank_first=False),
-                              _to_rows_cols(R, modes[split:], rank_first=True))
-        P, Q = math.prod(row_modes), math.prod(col_modes)
+            return _per_layer(_to_rows_cols(L, modes[:plan.split], rank_first=False),
+                              _to_rows_cols(R, modes[plan.split:], rank_first=True))
+        P, Q = spec.padded_rows, spec.padded_cols
         K = L.shape[0]
         full = torch.bmm(L, R)  # [K, S_L, S_R]: chain order
-        if fmt == "ttm":
+        if spec.interleaved:
             full = _to_rows_cols(full.reshape(K, -1, 1), modes, rank_first=False)
         m = _crop(_crop(full.reshape(K, P, Q), 1, rows), 2, cols)
         if output == "dense_t":
@@ -191,21 +235,15 @@ def _split_indices(flat: torch.Tensor, rows: int, ir: int) -> tuple[torch.Tensor
     nn.Embedding's CUDA kernel does (no host sync, capture-safe), in plain ops Inductor fuses; on the
     CPU: ``comera::tt_index_split``, which raises eager's IndexError."""
     if flat.is_cuda:
-        torch._assert_async(((flat >= 0) & (flat < rows)).all(), "index out of range in self")
+        torch._assert_async(((flat >= 0) & (flat < rows)).all(), _INDEX_MESSAGE)
         idx = flat.long()
         return torch.div(idx, ir, rounding_mode="floor"), torch.remainder(idx, ir)
-    import comera_compile.kernels.tt_embedding  # noqa: F401  (defines comera::tt_index_split)
-
     return torch.ops.comera.tt_index_split(flat, rows, ir)
 
 
-def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], fmt: str,
-                  row_modes: Sequence[int], col_modes: Sequence[int], rows: int, cols: int, plan,
-                  output: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`group_outputs` for one layer given as lists of cores and gates, with the cut and merge
-    orders of ``plan``."""
+def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec,
+                  plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`group_outputs` for one layer given as lists of cores and gates."""
     core_flat = torch.cat([c.reshape(-1) for c in cores])
     gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else core_flat.new_zeros(0)
-    return group_outputs([core_flat], [gate_flat], fmt, row_modes, col_modes, plan.ranks, rows, cols, plan.split,
-                         plan.left, plan.right, output, dtype)
-
+    return group_outputs([core_flat], [gate_flat], spec, plan, output, dtype)

@@ -9,12 +9,15 @@ A tensorized layer's weight is one ``comera.tt_materialize(core_flat, gate_flat,
     matmul(x, tt_materialize(...)) / x @ ...                                      x @ M or x @ Mᵀ
     embedding(idx, tt_materialize(..., transpose=False))     nn.Embedding         M[idx]
 
-For each such site the planner (:mod:`comera_compile.planner`) picks a strategy for the traced token
-count, and the site is rewritten into calls of :mod:`comera_compile.tt_runtime`:
+Each site's layer is read back from the marker op as a :class:`~comera_compile.tt.format.TTSpec`
+(``TTSpec.from_materialize_node``); the planner (:mod:`comera_compile.tt.planner`) picks a strategy
+for the traced token count, and the site is rewritten into calls of
+:mod:`comera_compile.kernels.tt_runtime`:
 
 * the token-independent work (gates folded into the cores, the two halves of the chain merged in the
   planned order) of every layer with the same structure, dtype and strategy is **one batched call**
-  (:func:`~comera_compile.tt_runtime.group_outputs`, up to ``MAX_GROUP`` layers): one batched GEMM per
+  (:func:`~comera_compile.kernels.tt_runtime.group_outputs` of the spec and the plan's cut, up to
+  ``MAX_GROUP`` layers): one batched GEMM per
   merge step for the whole group instead of a few launches per layer;
 * the token-sized work is ``linear(project(x, F1), F2, bias)`` (the low-rank ``"factored"`` path: the
   second factor stays a plain ``linear``, so a TT LM head is then fused with its loss by the ``cce``
@@ -29,14 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from comera_compile import matching as M
-from comera_compile.kernels import tt_runtime
 from comera_compile.fx_utils import (
     RewriteRejected,
     autocast_enabled_at,
@@ -44,31 +46,20 @@ from comera_compile.fx_utils import (
     erase_unused,
     fake,
     fake_node,
+    inherit_source_meta,
     module_name,
     size_hint,
 )
-from comera_compile.tt.planner import TTPlan, plan_tt_embedding, plan_tt_linear
+from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (defines the op)
+from comera_compile.kernels import tt_runtime
+from comera_compile.tt.format import TTSpec
+from comera_compile.tt.planner import TTPlan, plan_embedding, plan_linear
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext
 
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
-
-
-
-class _Meta(NamedTuple):
-    """The arguments of a ``comera::tt_materialize`` node."""
-
-    core_flat: fx.Node
-    gate_flat: fx.Node
-    fmt: str
-    row_modes: list[int]
-    col_modes: list[int]
-    ranks: list[int]
-    rows: int
-    cols: int
-    transpose: bool
 
 
 class _Decline(Exception):
@@ -79,23 +70,32 @@ class _Decline(Exception):
 class _Site:
     node: fx.Node  # the consumer of the TT weight
     w: fx.Node  # the tt_materialize node
+    spec: TTSpec  # the layer, as the tt_materialize node describes it
     kind: str  # "tt_linear" | "tt_embedding"
     x: Any  # activations or indices
     bias: Any = None
     x_times_m: bool = True  # y = x @ M (nn.Linear, Conv1D); False: y = x @ Mᵀ (a tied head)
     padding_idx: int | None = None
     plan: TTPlan | None = None
-    output: str = ""
+    output: tt_runtime.Output | None = None
 
-    def meta(self) -> _Meta:
-        return _Meta(*self.w.args)
+    @property
+    def flats(self) -> tuple[fx.Node, fx.Node]:
+        """The layer's flat cores and gates (the marker op's two tensors)."""
+        return self.w.args[0], self.w.args[1]
 
 
 def _materialize_targets() -> set:
-    import comera_compile.kernels.tt_materialize  # noqa: F401  (defines the op)
-
     packet = torch.ops.comera.tt_materialize
     return {packet, packet.default}
+
+
+def _spec(w: fx.Node) -> TTSpec:
+    """The layer a ``tt_materialize`` node materializes (a call that does not describe one is declined)."""
+    try:
+        return TTSpec.from_materialize_node(w)
+    except (TypeError, ValueError) as exc:
+        raise _Decline(f"{M.describe(w)} does not describe a TT layer: {exc}") from None
 
 
 def _is_tt(value: Any, materialize: set) -> bool:
@@ -113,20 +113,21 @@ def _match(node: fx.Node, materialize: set) -> _Site | None:
         return None
     if M.is_call(node, M.LINEAR) and _is_tt(call["weight"], materialize):
         _understood(call, "input", "weight", "bias")
-        w = call["weight"]
-        return _Site(node, w, "tt_linear", call["input"], call["bias"], x_times_m=bool(w.args[8]))
+        w, spec = call["weight"], _spec(call["weight"])
+        return _Site(node, w, spec, "tt_linear", call["input"], call["bias"], x_times_m=spec.transpose)
     if M.is_call(node, M.ADDMM) and _is_tt(call["mat2"], materialize):
         _understood(call, "input", "mat1", "mat2")
-        w = call["mat2"]
-        return _Site(node, w, "tt_linear", call["mat1"], call["input"], x_times_m=not bool(w.args[8]))
+        w, spec = call["mat2"], _spec(call["mat2"])
+        return _Site(node, w, spec, "tt_linear", call["mat1"], call["input"], x_times_m=not spec.transpose)
     if M.is_call(node, M.MATMUL) and _is_tt(call["other" if "other" in call else "mat2"], materialize):
         second = "other" if "other" in call else "mat2"
         _understood(call, "input", second)
-        w = call[second]
-        return _Site(node, w, "tt_linear", call["input"], None, x_times_m=not bool(w.args[8]))
+        w, spec = call[second], _spec(call[second])
+        return _Site(node, w, spec, "tt_linear", call["input"], None, x_times_m=not spec.transpose)
     if M.is_call(node, M.EMBEDDING) and node.target is F.embedding and _is_tt(call["weight"], materialize):
         _understood(call, "input", "weight", "padding_idx")
-        return _Site(node, call["weight"], "tt_embedding", call["input"], padding_idx=call["padding_idx"])
+        w = call["weight"]
+        return _Site(node, w, _spec(w), "tt_embedding", call["input"], padding_idx=call["padding_idx"])
     raise _Decline(f"{M.describe(node)} takes the TT weight in a way the lowering does not handle "
                    "(e.g. as its first operand, or through torch.embedding's raw op)")
 
@@ -139,14 +140,15 @@ def _understood(call: M.Bound, *names: str) -> None:
 
 
 def _check_shapes(site: _Site) -> None:
-    _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
-    if len(ranks) < 3:
+    spec = site.spec
+    rows, cols = spec.rows, spec.cols
+    if spec.n_cores < 2:
         raise _Decline("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
     if not isinstance(fx_, torch.Tensor) or not isinstance(fw, torch.Tensor):
         raise _Decline("no fake value for the input or the weight")
     if site.kind == "tt_embedding":
-        if transpose:
+        if spec.transpose:
             raise _Decline("the TT weight reaches embedding transposed")
         if fx_.dtype not in (torch.int32, torch.int64):
             raise _Decline(f"indices of dtype {fx_.dtype}")
@@ -176,8 +178,7 @@ def _check_no_write(site: _Site, graph: fx.Graph) -> None:
     """Decline a site whose flat cores or gates are written in place anywhere in the graph: the
     lowering forms the weight (or its factors) in one batched call before the group's first site,
     not where eager materialized it, so a write in between would change what it reads."""
-    meta = site.meta()
-    hit = M.first_write(graph.nodes, [meta.core_flat, meta.gate_flat])
+    hit = M.first_write(graph.nodes, list(site.flats))
     if hit is not None:
         raise _Decline(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
                        "the lowering reads them in one batched call ahead of the layer, eager where it "
@@ -185,24 +186,23 @@ def _check_no_write(site: _Site, graph: fx.Graph) -> None:
 
 
 def _plan(site: _Site, ctx: PassContext) -> None:
-    _, _, fmt, row_modes, col_modes, ranks, rows, cols, transpose = site.meta()
     out = fake(site.node)
     nbytes = out.element_size()
     cudagraphs = ctx.options.cudagraphs if ctx.options.cudagraphs is not None else out.is_cuda  # auto: on
     if site.kind == "tt_embedding":
         n = size_hint(fake(site.x).numel())
-        site.plan = plan_tt_embedding(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
+        site.plan = plan_embedding(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
         site.output = "tables" if site.plan.strategy == "tables" else "dense"
         return
     fx_ = fake(site.x)
     n = 1
     for s in fx_.shape[:-1]:
         n *= size_hint(s)
-    site.plan = plan_tt_linear(fmt, row_modes, col_modes, ranks, max(n, 1), nbytes, cudagraphs=cudagraphs)
+    site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
     if site.plan.strategy == "factored":
         site.output = "factors" if site.x_times_m else "factors_t"
     else:
-        site.output = "dense_t" if transpose else "dense"
+        site.output = "dense_t" if site.spec.transpose else "dense"
 
 
 @dataclasses.dataclass
@@ -216,11 +216,9 @@ class _Group:
 
 
 def _group_key(site: _Site) -> tuple:
-    meta = site.meta()
-    p = site.plan
-    return (meta.fmt, tuple(meta.row_modes), tuple(meta.col_modes), tuple(meta.ranks), meta.rows, meta.cols,
-            site.output, p.split, p.left, p.right, fake(site.node).dtype, fake(meta.core_flat).dtype,
-            str(fake(meta.core_flat).device))
+    spec, core_flat = site.spec, site.flats[0]
+    return (spec.fmt, spec.row_modes, spec.col_modes, spec.ranks, spec.rows, spec.cols, site.output, site.plan.cut,
+            fake(site.node).dtype, fake(core_flat).dtype, str(fake(core_flat).device))
 
 
 def _groups(sites: list[_Site], graph: fx.Graph) -> list[_Group]:
@@ -253,15 +251,12 @@ def _with_fake(node: fx.Node) -> fx.Node:
 
 def _emit_group(graph: fx.Graph, g: _Group) -> None:
     site = g.sites[0]
-    meta = site.meta()
     core_flats = [w.args[0] for w in g.members]
     gate_flats = [w.args[1] for w in g.members]
     dtype = fake(site.node).dtype
-    p = site.plan
     with graph.inserting_before(g.anchor):
         call = graph.call_function(tt_runtime.group_outputs, (
-            core_flats, gate_flats, meta.fmt, list(meta.row_modes), list(meta.col_modes), list(meta.ranks), meta.rows,
-            meta.cols, p.split, p.left, p.right, site.output, dtype))
+            core_flats, gate_flats, site.spec, site.plan.cut, site.output, dtype))
         g.call = _with_fake(call)
         per = 2 if site.output in ("factors", "factors_t", "tables") else 1
         outs = fake(call)
@@ -272,9 +267,7 @@ def _emit_group(graph: fx.Graph, g: _Group) -> None:
                 item.meta["example_value"] = outs[k * per + j]
                 items.append(item)
             g.parts.append(items)
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in g.anchor.meta:
-            call.meta.setdefault(key, g.anchor.meta[key])
+    inherit_source_meta([call], g.anchor)
 
 
 def _cast(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
@@ -329,8 +322,8 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
             new.meta.pop("example_value", None)
             new.meta.pop("val", None)
         elif site.output == "tables":
-            new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.meta().rows,
-                                                          site.meta().cols, site.padding_idx))
+            new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.spec.rows,
+                                                          site.spec.cols, site.padding_idx))
         else:
             t = graph.call_function(tt_runtime.project, (site.x, parts[0], dtype))
             new = graph.call_function(F.linear, (t, parts[1], _cast(graph, site.bias, dtype)))
@@ -368,12 +361,12 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, g
 
 
 def _detail(site: _Site, group: _Group) -> str:
-    fmt, rows, cols = site.meta().fmt, site.meta().rows, site.meta().cols
+    fmt, rows, cols = site.spec.fmt, site.spec.rows, site.spec.cols
     shape = f"{rows}x{cols}" if site.kind == "tt_embedding" else (
         f"{rows}->{cols}" if site.x_times_m else f"{cols}->{rows} (x @ Mᵀ)")
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
-    return f"{fmt} {shape}, {len(site.meta().ranks) - 1} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
+    return f"{fmt} {shape}, {site.spec.n_cores} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
 
 
 def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:

@@ -22,7 +22,7 @@ class TTConfig:
       modes on either side). With ``init="svd"`` and ``svd_tol`` it is the cap.
     * ``fmt``: ``"tt"`` (input modes then output modes, CoMERA's linear format), ``"ttm"``
       (TT-matrix / MPO) or ``"auto"`` (default: ``"ttm"`` for every layer). Measured on a GPT (d 768,
-      BPE 16k, BENCHMARKS.md section 4) a TT-matrix learns better than ``"tt"`` at equal parameters
+      BPE 16k) a TT-matrix learns better than ``"tt"`` at equal parameters
       (validation loss 4.0 % / 3.7 % better for the attention / MLP Linears); ``"tt"`` runs faster
       (its rank bottleneck makes two skinny GEMMs of a layer; a TT-matrix has none and runs with its
       weight merged from the cores).

@@ -74,7 +74,9 @@ class TTParametrization(nn.Module):
     """A layer's weight as TT cores: ``forward`` is one ``comera::tt_materialize`` call.
 
     The cores live in one flat Parameter, ``core_flat``, and the rank gates in another,
-    ``gate_flat``; ``cores`` and ``gates`` are views of them, shaped as DESIGN.md describes. Two
+    ``gate_flat``; ``cores`` and ``gates`` are views of them, shaped as ``spec.core_shapes`` /
+    ``spec.gate_sizes`` (core ``k`` is ``[r_{k-1}, n_k, r_k]`` for TT, ``[r_{k-1}, m_k, n_k, r_k]`` for
+    TTM; gate ``k`` has ``r_k`` entries). Two
     Parameters per layer instead of one per core and gate: optimizers, autograd and compiled graphs
     pay a fixed host cost per tensor, and a TT model would otherwise have ~10x as many as its dense
     twin. ``state_dict`` still holds one entry per core and gate (``cores.<k>``, ``gates.<k>``).
@@ -107,9 +109,15 @@ class TTParametrization(nn.Module):
         self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
         self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
                                       cores[0].new_zeros(0))
-        self.core_shapes = [tuple(c.shape) for c in cores]
-        self.gate_sizes = [g.numel() for g in gates]
+        self._set_shapes([tuple(c.shape) for c in cores], [g.numel() for g in gates])
         self.refit_on_assign = False
+
+    def _set_shapes(self, core_shapes: Sequence[tuple[int, ...]], gate_sizes: Sequence[int]) -> None:
+        """The cores' shapes and the gates' sizes, and the spec they make (checked once, here)."""
+        self.core_shapes = [tuple(int(v) for v in s) for s in core_shapes]
+        self.gate_sizes = [int(n) for n in gate_sizes]
+        self._spec = TTSpec(self.fmt, self.row_modes, self.col_modes, tt.chain_ranks(self.core_shapes), self.rows,
+                            self.cols, self.transpose)
 
     @property
     def cores(self) -> list[torch.Tensor]:
@@ -132,8 +140,8 @@ class TTParametrization(nn.Module):
 
     @property
     def spec(self) -> TTSpec:
-        return tt.spec_from_cores(self.cores, self.fmt, self.row_modes, self.col_modes,
-                                  self.rows, self.cols, self.transpose)
+        """The layer's spec, its ranks those of the cores as they are now (rank pruning changes them)."""
+        return self._spec
 
     def positions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Index maps: for every core and gate, the flat positions of its entries (int64, shaped
@@ -160,8 +168,7 @@ class TTParametrization(nn.Module):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == old:
                         state[key] = value[index]
-        self.core_shapes = [tuple(t.shape) for t in core_positions]
-        self.gate_sizes = [t.numel() for t in gate_positions]
+        self._set_shapes([tuple(t.shape) for t in core_positions], [t.numel() for t in gate_positions])
 
     @torch.no_grad()
     def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
@@ -169,18 +176,14 @@ class TTParametrization(nn.Module):
         set_parameter_data_(self.core_flat, torch.cat([c.reshape(-1) for c in cores]).to(self.core_flat))
         set_parameter_data_(self.gate_flat, torch.cat([g.reshape(-1) for g in gates]).to(self.gate_flat)
                             if gates else self.gate_flat.data.new_zeros(0))
-        self.core_shapes = [tuple(c.shape) for c in cores]
-        self.gate_sizes = [g.numel() for g in gates]
+        self._set_shapes([tuple(c.shape) for c in cores], [g.numel() for g in gates])
 
     @property
     def ranks(self) -> list[int]:
-        return [s[0] for s in self.core_shapes] + [self.core_shapes[-1][-1]]
+        return list(self._spec.ranks)
 
     def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
-        return torch.ops.comera.tt_materialize(
-            self.core_flat, self.gate_flat, self.fmt, list(self.row_modes), list(self.col_modes),
-            self.ranks, self.rows, self.cols, self.transpose,
-        )
+        return torch.ops.comera.tt_materialize(*self._spec.materialize_args(self.core_flat, self.gate_flat))
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
         if self.refit_on_assign and value.numel():

@@ -217,7 +217,7 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
                         f"and {list(col_modes)}; e.g. {[list(auto[0]), list(auto[1])]}")
     else:
         row_modes, col_modes = _auto_modes(fmt, rows, cols, cfg, error)
-    n = len(row_modes) + len(col_modes) if fmt == "tt" else len(row_modes)
+    n = tt.n_cores(fmt, row_modes, col_modes)
     try:
         ranks = tt.normalize_ranks(cfg.rank, n)
     except ValueError as e:
@@ -377,8 +377,8 @@ def _apply(plan: _Plan) -> str | None:
         matrix = weight.detach().t() if spec.transpose else weight.detach()
         cores, error = tt.tt_svd(matrix, spec, tol=cfg.svd_tol)
         cap = spec
-        spec = tt.spec_from_cores(cores, spec.fmt, spec.row_modes, spec.col_modes, spec.rows,
-                                  spec.cols, spec.transpose)
+        spec = TTSpec.from_cores(cores, spec.fmt, spec.row_modes, spec.col_modes, spec.rows, spec.cols,
+                                 spec.transpose)
         log.info("tensorize_: %s %s TT-SVD ranks %s, relative error %.3g", plan.fqn,
                  spec.describe(), list(spec.ranks), error)
         if cfg.svd_tol is not None and error > cfg.svd_tol:

@@ -1,7 +1,7 @@
 """Tensor-train (TT) and TT-matrix (TTM) formats as pure functions.
 
-The layout contract is in DESIGN.md ("Tensor-train formats"). In short, a TT layer stores a matrix
-``M`` of logical shape ``[rows, cols]`` padded to ``[prod(row_modes), prod(col_modes)]``:
+A TT layer stores a matrix ``M`` of logical shape ``[rows, cols]`` padded to
+``[prod(row_modes), prod(col_modes)]``:
 
 * ``"tt"``: cores ``[r_{k-1}, n_k, r_k]`` with ``n = row_modes + col_modes`` (CoMERA's linear format:
   input modes first, then output modes, so ``M = L @ R`` through the middle bond);
@@ -12,26 +12,37 @@ The layout contract is in DESIGN.md ("Tensor-train formats"). In short, a TT lay
 Both formats are handled here as one *chain* of 3-D cores ``[r_{k-1}, s_k, r_k]`` (``s_k = n_k`` for
 TT, ``s_k = m_k * n_k`` for TTM); only the index permutation at the end differs.
 
-Everything here is shape arithmetic or plain torch; the marker op ``comera::tt_materialize``
-(kernels/tt_materialize.py) calls :func:`materialize` and :func:`materialize_vjp`.
+:class:`TTSpec` is the one description of a layer (format, modes, ranks, logical matrix): it checks
+itself when built, checks cores against itself (:meth:`TTSpec.check_cores`), reads its ranks off
+cores (:meth:`TTSpec.from_cores`), and writes and reads the arguments of the marker op
+``comera::tt_materialize`` (:meth:`TTSpec.materialize_args`, :meth:`TTSpec.from_materialize_node`).
+What depends on the format is here: :func:`n_cores`, :func:`chain_modes`, :func:`core_shapes` and
+the spec's ``bottleneck`` and ``interleaved``.
+
+Everything here is shape arithmetic or plain torch; the marker op (``kernels/tt_materialize.py``)
+calls :func:`materialize` and :func:`materialize_vjp`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Literal, NamedTuple, Sequence, get_args
 
 import sympy
 import torch
 
-FORMATS = ("tt", "ttm")
+#: The TT formats: ``"tt"`` (CoMERA's linear format) and ``"ttm"`` (TT-matrix / MPO).
+Format = Literal["tt", "ttm"]
+FORMATS: tuple[str, ...] = get_args(Format)
 
 __all__ = [
     "FORMATS",
+    "Format",
     "TTSpec",
     "arrange_modes",
     "cap_ranks",
+    "chain_modes",
+    "chain_ranks",
     "core_shapes",
     "core_sizes",
     "count_params",
@@ -39,6 +50,7 @@ __all__ = [
     "factorize",
     "materialize",
     "materialize_vjp",
+    "n_cores",
     "normalize_ranks",
     "random_cores",
     "rank_bounds",
@@ -54,18 +66,40 @@ __all__ = [
 
 
 def _prod(xs: Sequence[int]) -> int:
-    return math.prod(int(x) for x in xs)
+    return math.prod([int(x) for x in xs])  # a list, not a generator: Dynamo folds math.prod of constants
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _check_format(fmt: Any) -> None:
+    if fmt not in FORMATS:
+        names = ", ".join(repr(f) for f in FORMATS[:-1]) + f" or {FORMATS[-1]!r}"
+        raise ValueError(f"fmt must be {names}, got {fmt!r}")
+
+
+def n_cores(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> int:
+    """How many cores the format has: one per mode for TT, one per (row, column) mode pair for TTM."""
+    return len(row_modes) + len(col_modes) if fmt == "tt" else len(row_modes)
+
+
+def chain_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The (row, column) extent of each core's middle index: ``(m, 1)`` / ``(1, n)`` for a ``"tt"``
+    row / column core, ``(m, n)`` for a ``"ttm"`` core (the chain mode ``s_k`` is their product)."""
+    if fmt == "tt":
+        return tuple((int(m), 1) for m in row_modes) + tuple((1, int(n)) for n in col_modes)
+    return tuple((int(m), int(n)) for m, n in zip(row_modes, col_modes))
+
+
 def core_sizes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[int, ...]:
     """The chain mode ``s_k`` of every core: ``n_k`` for TT, ``m_k * n_k`` for TTM."""
-    if fmt == "tt":
-        return tuple(row_modes) + tuple(col_modes)
-    return tuple(m * n for m, n in zip(row_modes, col_modes))
+    return tuple(m * n for m, n in chain_modes(fmt, row_modes, col_modes))
+
+
+def chain_ranks(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """``(r_0, ..., r_d)`` read off the core shapes (core ``k`` is ``[r_{k-1}, ..., r_k]``)."""
+    return tuple(int(s[0]) for s in shapes) + (int(shapes[-1][-1]),)
 
 
 def rank_bounds(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -143,14 +177,7 @@ def count_params(shapes: Sequence[Sequence[int]], include_gates: bool = True) ->
     return total
 
 
-@dataclass(frozen=True)
-class TTSpec:
-    """A TT layer's layout; the metadata of ``comera::tt_materialize`` plus the ranks.
-
-    ``ranks`` has ``n_cores + 1`` entries with 1 at both ends. ``rows``/``cols`` is the logical
-    matrix; ``transpose`` says the layer's weight is ``M.T`` (nn.Linear: rows = in, cols = out).
-    """
-
+class _SpecFields(NamedTuple):
     fmt: str
     row_modes: tuple[int, ...]
     col_modes: tuple[int, ...]
@@ -159,11 +186,32 @@ class TTSpec:
     cols: int
     transpose: bool = False
 
-    def __post_init__(self) -> None:
-        for name in ("row_modes", "col_modes", "ranks"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
-        if self.fmt not in FORMATS:
-            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+
+#: The arguments of ``comera::tt_materialize`` (its schema): the flat storages, then a spec's fields.
+MATERIALIZE_ARGS = ("core_flat", "gate_flat") + _SpecFields._fields
+
+
+class TTSpec(_SpecFields):
+    """The one description of a TT layer: format, modes, ranks and the logical matrix.
+
+    ``ranks`` has ``n_cores + 1`` entries with 1 at both ends. ``rows``/``cols`` is the logical
+    matrix; ``transpose`` says the layer's weight is ``M.T`` (nn.Linear: rows = in, cols = out).
+    Built once, checked once (a ValueError names what does not fit). Its fields are, in order, the
+    arguments of ``comera::tt_materialize`` after the two flat storages. A NamedTuple: immutable,
+    hashable (plans are cached on it) and written into an FX graph as ``TTSpec(...)``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                rows: int, cols: int, transpose: bool = False) -> "TTSpec":
+        _check_format(fmt)
+        self = super().__new__(cls, fmt, tuple(int(v) for v in row_modes), tuple(int(v) for v in col_modes),
+                               tuple(int(v) for v in ranks), int(rows), int(cols), bool(transpose))
+        self._validate()
+        return self
+
+    def _validate(self) -> None:
         if not self.row_modes or not self.col_modes:
             raise ValueError("row_modes and col_modes must each have at least one mode")
         if any(m < 1 for m in self.row_modes + self.col_modes):
@@ -173,10 +221,11 @@ class TTSpec:
                 "the TT-matrix format needs as many row modes as column modes, got "
                 f"{list(self.row_modes)} and {list(self.col_modes)}"
             )
-        if _prod(self.row_modes) < self.rows or _prod(self.col_modes) < self.cols:
+        P, Q = self.padded_rows, self.padded_cols
+        if P < self.rows or Q < self.cols:
             raise ValueError(
-                f"modes {list(self.row_modes)} x {list(self.col_modes)} cover "
-                f"{_prod(self.row_modes)} x {_prod(self.col_modes)}, less than the matrix "
+                f"rows={self.rows}, cols={self.cols} exceed the padded shape {P}x{Q}: modes "
+                f"{list(self.row_modes)} x {list(self.col_modes)} cover {P} x {Q}, less than the matrix "
                 f"{self.rows} x {self.cols}"
             )
         d = self.n_cores
@@ -187,9 +236,64 @@ class TTSpec:
         if any(r < 0 for r in self.ranks):
             raise ValueError(f"ranks must be non-negative, got {list(self.ranks)}")
 
+    @classmethod
+    def from_cores(cls, cores: Sequence[torch.Tensor], fmt: str, row_modes: Sequence[int],
+                   col_modes: Sequence[int], rows: int, cols: int, transpose: bool = False, *,
+                   gates: Sequence[torch.Tensor] | None = None) -> "TTSpec":
+        """The spec of these cores, its ranks read off their shapes (ranks change under rank
+        pruning). Checks the format, the number of cores, the spec itself and, with ``gates``, every
+        core's and gate's shape."""
+        _check_format(fmt)
+        d = n_cores(fmt, row_modes, col_modes)
+        if len(cores) != d:
+            raise ValueError(f"{fmt!r} with row_modes {list(row_modes)} and col_modes {list(col_modes)} needs "
+                             f"{d} cores, got {len(cores)}")
+        if not cores:
+            raise ValueError("at least one core is required")
+        spec = cls(fmt, row_modes, col_modes, chain_ranks([c.shape for c in cores]), rows, cols, transpose)
+        if gates is not None:
+            spec.check_cores(cores, gates)
+        return spec
+
+    @classmethod
+    def from_materialize_node(cls, node: Any) -> "TTSpec":
+        """The spec of a ``comera::tt_materialize`` call in an FX graph: its arguments after the two
+        flat storages (``node.args``, as :meth:`materialize_args` writes them). Raises ValueError for
+        a call that does not pass them so."""
+        if node.kwargs or len(node.args) != len(MATERIALIZE_ARGS):
+            raise ValueError(f"tt_materialize called with {len(node.args)} positional arguments and keywords "
+                             f"{sorted(node.kwargs)}; expected the {len(MATERIALIZE_ARGS)} of its schema by position")
+        return cls(*node.args[2:])
+
+    def materialize_args(self, core_flat: Any, gate_flat: Any) -> tuple:
+        """The arguments of ``comera::tt_materialize`` for this layer, in the order of its schema:
+        ``(core_flat, gate_flat, fmt, row_modes, col_modes, ranks, rows, cols, transpose)``."""
+        return (core_flat, gate_flat, self.fmt, list(self.row_modes), list(self.col_modes), list(self.ranks),
+                self.rows, self.cols, self.transpose)
+
+    def op_args(self) -> tuple:
+        """The metadata arguments of :func:`comera_compile.tt_materialize` after ``cores, gates``
+        (the spec less its ranks, which that function reads off the cores)."""
+        return (self.fmt, list(self.row_modes), list(self.col_modes), self.rows, self.cols,
+                self.transpose)
+
+    def check_cores(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
+        """Raise ValueError unless ``cores`` and ``gates`` have this spec's counts and shapes."""
+        d = self.n_cores
+        if len(cores) != d:
+            raise ValueError(f"expected {d} cores for {self.describe()} ({self.fmt}), got {len(cores)}")
+        if len(gates) != d - 1:
+            raise ValueError(f"expected {d - 1} gates (one per internal bond), got {len(gates)}")
+        for k, (c, shape) in enumerate(zip(cores, self.core_shapes)):
+            if tuple(c.shape) != tuple(shape):
+                raise ValueError(f"core {k} has shape {tuple(c.shape)}, expected {tuple(shape)}")
+        for k, g in enumerate(gates):
+            if tuple(g.shape) != (self.ranks[k + 1],):
+                raise ValueError(f"gate {k} has shape {tuple(g.shape)}, expected ({self.ranks[k + 1]},)")
+
     @property
     def n_cores(self) -> int:
-        return len(self.row_modes) + len(self.col_modes) if self.fmt == "tt" else len(self.row_modes)
+        return n_cores(self.fmt, self.row_modes, self.col_modes)
 
     @property
     def padded_rows(self) -> int:
@@ -198,6 +302,11 @@ class TTSpec:
     @property
     def padded_cols(self) -> int:
         return _prod(self.col_modes)
+
+    @property
+    def chain_modes(self) -> tuple[tuple[int, int], ...]:
+        """Each core's (row, column) extent (:func:`chain_modes`)."""
+        return chain_modes(self.fmt, self.row_modes, self.col_modes)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -210,6 +319,24 @@ class TTSpec:
     @property
     def gate_sizes(self) -> tuple[int, ...]:
         return tuple(self.ranks[1:-1])
+
+    @property
+    def bottleneck(self) -> int | None:
+        """The bond between the row and the column modes, through which ``M = L @ R`` is a product of
+        rank ``ranks[bottleneck]`` (``"tt"``); None where no bond separates them (``"ttm"``: every
+        core holds a row and a column mode)."""
+        return len(self.row_modes) if self.fmt == "tt" else None
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the chain's index order interleaves row and column indices (``"ttm"``:
+        ``i_1 o_1 i_2 o_2 ...``), so that the matrix is the chain's product permuted."""
+        return self.fmt == "ttm"
+
+    @property
+    def natural_split(self) -> int:
+        """The bond a cut of the chain prefers on equal cost: the bottleneck, else the middle."""
+        return self.bottleneck if self.bottleneck is not None else self.n_cores // 2
 
     @property
     def num_params(self) -> int:
@@ -227,11 +354,6 @@ class TTSpec:
     def with_ranks(self, ranks: Sequence[int]) -> "TTSpec":
         return TTSpec(self.fmt, self.row_modes, self.col_modes, tuple(ranks), self.rows,
                       self.cols, self.transpose)
-
-    def op_args(self) -> tuple:
-        """The metadata arguments of :func:`comera_compile.tt_materialize` after ``cores, gates``."""
-        return (self.fmt, list(self.row_modes), list(self.col_modes), self.rows, self.cols,
-                self.transpose)
 
     def describe(self) -> str:
         """Factorization as CoMERA writes it: ``[12,8,8]||[8,8,12]`` or ``[[16,20,10,10],[4,4,8,6]]``."""
@@ -354,29 +476,12 @@ def arrange_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_cores(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec) -> None:
-    d = spec.n_cores
-    if len(cores) != d:
-        raise ValueError(f"expected {d} cores for {spec.describe()} ({spec.fmt}), got {len(cores)}")
-    if len(gates) != d - 1:
-        raise ValueError(f"expected {d - 1} gates (one per internal bond), got {len(gates)}")
-    for k, (c, shape) in enumerate(zip(cores, spec.core_shapes)):
-        if tuple(c.shape) != tuple(shape):
-            raise ValueError(f"core {k} has shape {tuple(c.shape)}, expected {tuple(shape)}")
-    for k, g in enumerate(gates):
-        if tuple(g.shape) != (spec.ranks[k + 1],):
-            raise ValueError(f"gate {k} has shape {tuple(g.shape)}, expected ({spec.ranks[k + 1]},)")
-
-
 def spec_from_cores(
     cores: Sequence[torch.Tensor], fmt: str, row_modes, col_modes, rows: int, cols: int,
     transpose: bool,
 ) -> TTSpec:
-    """The spec whose ranks are read off the cores' shapes (ranks change under rank pruning)."""
-    if not cores:
-        raise ValueError("at least one core is required")
-    ranks = tuple(int(c.shape[0]) for c in cores) + (int(cores[-1].shape[-1]),)
-    return TTSpec(fmt, tuple(row_modes), tuple(col_modes), ranks, rows, cols, transpose)
+    """:meth:`TTSpec.from_cores` (the spec whose ranks are read off the cores' shapes)."""
+    return TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
 
 
 def split_flat(core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec) -> tuple[list, list]:
@@ -406,7 +511,7 @@ def _split(spec: TTSpec) -> int:
     by FLOPs; ties go to the row/column boundary of the TT format (CoMERA's ``L @ R``)."""
     s, r, d = spec.sizes, spec.ranks, spec.n_cores
     total = _prod(s)
-    natural = len(spec.row_modes) if spec.fmt == "tt" else d // 2
+    natural = spec.natural_split
 
     def cost(b: int) -> int:
         left = sum(_prod(s[: k - 1]) * r[k - 1] * s[k - 1] * r[k] for k in range(2, b + 1))
@@ -455,7 +560,7 @@ def materialize(
     Builds ``L`` (left cores) and ``R`` (right cores) then one GEMM ``L @ R`` (CoMERA's order for
     TT; for TTM the row/column indices are interleaved and permuted at the end).
     """
-    _check_cores(cores, gates, spec)
+    spec.check_cores(cores, gates)
     dtype = _dtype(cores)
     d, P, Q = spec.n_cores, spec.padded_rows, spec.padded_cols
     chain = _chain(cores, gates, spec, dtype)
@@ -466,11 +571,11 @@ def materialize(
         b = _split(spec)
         left = _prefixes(chain, spec, b)[-1]
         right = _suffixes(chain, spec, b)[0]
-    if spec.fmt == "tt" and b == len(spec.row_modes):
+    if b is not None and b == spec.bottleneck:
         m = right.t() @ left.t() if spec.transpose else left @ right
     else:
         full = full if b is None else left @ right
-        if spec.fmt == "tt":
+        if not spec.interleaved:
             m = full.reshape(P, Q)
         else:
             n = len(spec.row_modes)
@@ -496,11 +601,11 @@ def _grad_matrix(grad: torch.Tensor, spec: TTSpec, b: int | None) -> torch.Tenso
         g[: spec.rows, : spec.cols] = grad
     else:
         g = grad
-    if spec.fmt == "ttm":
+    if spec.interleaved:
         n = len(spec.row_modes)
         interleave = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]
         g = g.reshape(list(spec.row_modes) + list(spec.col_modes)).permute(interleave)
-    elif b == len(spec.row_modes):
+    elif b is not None and b == spec.bottleneck:
         return g
     if b is None:
         return g.reshape(P * Q)
@@ -520,7 +625,7 @@ def materialize_vjp(
     ``Y = G @ R^T`` and ``Z = L^T @ G``; every core gradient then follows from small sweeps:
     ``dC_k = L_{k-1}^T Y_k`` going left and ``dC_k = Z_k R_{k+1}^T`` going right.
     """
-    _check_cores(cores, gates, spec)
+    spec.check_cores(cores, gates)
     dtype = _dtype(cores)
     s, r, d = spec.sizes, spec.ranks, spec.n_cores
     chain = _chain(cores, gates, spec, dtype)
@@ -590,7 +695,7 @@ def _to_chain_tensor(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:
     P, Q = spec.padded_rows, spec.padded_cols
     padded = matrix.new_zeros(P, Q)
     padded[: spec.rows, : spec.cols] = matrix
-    if spec.fmt == "tt":
+    if not spec.interleaved:
         return padded.reshape(spec.sizes)
     n = len(spec.row_modes)
     interleave = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair]

@@ -22,13 +22,18 @@ For one call site (a token count, a dtype) the planner decides:
      (about the square root of the vocabulary each), one ``[O_L, r] x [r, O_R]`` product per lookup;
      no vocabulary-sized tensor ever exists. ``"dense"``: the table ``[rows, cols]``, then a plain
      lookup (its gradient is vocabulary-sized).
-3. **Costs** from :class:`DeviceModel` (an H200 by default, calibrated with
-   ``benchmarks/bench_tt.py --calibrate``): each GEMM takes ``max(FLOPs / rate, bytes / bandwidth)`` at the
-   rates cuBLAS reaches at such shapes, plus a launch (far cheaper inside a CUDA graph). The cheapest
-   strategy wins; :meth:`TTPlan.describe` prints every step, every candidate's estimate, and the FLOPs
-   of ``torch.einsum``'s default left-to-right path for comparison.
+3. **Costs** from :class:`DeviceModel` (an H200 by default, its rates fitted to measured GEMMs): each
+   GEMM takes ``max(FLOPs / rate, bytes / bandwidth)`` at the rates cuBLAS reaches at such shapes, plus a
+   launch (far cheaper inside a CUDA graph). The cheapest strategy wins; :meth:`TTPlan.describe` prints
+   every step, every candidate's estimate, and the FLOPs of ``torch.einsum``'s default left-to-right
+   path for comparison.
 
-Plans are plain frozen dataclasses, cached on their (static) arguments; token counts may be
+The entry points take a :class:`~comera_compile.tt.format.TTSpec`: :func:`plan_linear` ``(spec,
+n_tokens)`` and :func:`plan_embedding` ``(spec, n_lookups)``; :func:`plan_tt_linear` /
+:func:`plan_tt_embedding` are the same with the chain given as ``(fmt, row_modes, col_modes, ranks)``.
+What a format changes here is read off the spec: its chain modes, its ``bottleneck`` (the factored
+candidate) and whether it is ``interleaved`` (the dense weight's permutation). Plans are plain frozen
+dataclasses, cached on the chain (format, modes, ranks) and the call; token counts may be
 ``torch.SymInt`` s: the plan reads the size hint and never installs a guard.
 """
 
@@ -38,30 +43,54 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence, Union
+from typing import Any, Literal, NamedTuple, Sequence, Union
 
 import networkx as nx
 import opt_einsum as oe
 
 from comera_compile.fx_utils import size_hint
+from comera_compile.tt.format import TTSpec
 
 __all__ = [
     "Bracket",
+    "Cut",
     "DeviceModel",
     "GemmStep",
     "H200",
+    "Phase",
+    "PlanKind",
+    "Strategy",
     "TTPlan",
     "bracket_cores",
-    "core_ranks",
+    "clear_plan_cache",
+    "cut_at",
+    "dense_split",
+    "plan_embedding",
+    "plan_linear",
     "plan_tt_embedding",
     "plan_tt_linear",
     "size_hint",
-    "token_bucket",
+    "table_shapes",
     "tt_network",
 ]
 
 #: A merge order of a run of consecutive cores: a core index, or a pair of brackets merged last.
 Bracket = Union[int, tuple["Bracket", "Bracket"]]
+#: The token-sized path of a plan: ``"factored"`` / ``"dense"`` for a linear, ``"tables"`` / ``"dense"``
+#: for an embedding.
+Strategy = Literal["factored", "dense", "tables"]
+PlanKind = Literal["linear", "embedding"]
+Phase = Literal["merge", "forward", "backward", "merge_backward"]
+
+
+class Cut(NamedTuple):
+    """The token-independent part of a plan: the bond ``split`` where the chain is cut, and the merge
+    orders of its two halves (cores ``[0, split)`` and ``[split, d)``). What the executor's
+    ``group_outputs`` reads of a plan (a NamedTuple, so it can stand in an FX graph)."""
+
+    split: int
+    left: Bracket
+    right: Bracket
 
 _ROW_SYMBOLS = "abcdefghijklm"
 _COL_SYMBOLS = "opqrstuvwxyz"
@@ -69,38 +98,35 @@ _RANK_SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _TOKEN = "n"
 
 
-def token_bucket(n: int) -> int:
-    """The power of two at or above ``n``: plans keyed on it are shared by nearby token counts."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+def _structure(spec: TTSpec) -> TTSpec:
+    """What a plan depends on: the chain (format, modes, ranks) over the whole padded matrix."""
+    if (spec.rows, spec.cols, spec.transpose) == (spec.padded_rows, spec.padded_cols, False):
+        return spec
+    return TTSpec(spec.fmt, spec.row_modes, spec.col_modes, spec.ranks, spec.padded_rows, spec.padded_cols)
+
+
+def _chain(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> TTSpec:
+    """The spec of a chain given as ``(fmt, row_modes, col_modes, ranks)`` (the positional entry points)."""
+    return TTSpec(fmt, row_modes, col_modes, ranks, math.prod(int(m) for m in row_modes),
+                  math.prod(int(m) for m in col_modes))
+
+
+def _check_alphabet(spec: TTSpec) -> None:
+    if len(spec.row_modes) > len(_ROW_SYMBOLS) or len(spec.col_modes) > len(_COL_SYMBOLS) or \
+            spec.n_cores > len(_RANK_SYMBOLS):
+        raise ValueError("too many modes for the planner's index alphabet")
 
 
 # ----------------------------------------------------------------------------- the network
 
 
-def core_ranks(fmt: str, cores_shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """``(r_0, ..., r_d)`` from the core shapes."""
-    return tuple(int(s[0]) for s in cores_shapes) + (int(cores_shapes[-1][-1]),)
-
-
-def _check(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]) -> int:
-    if fmt not in ("tt", "ttm"):
-        raise ValueError(f"TT format must be 'tt' or 'ttm', got {fmt!r}")
-    d = len(row_modes) + len(col_modes) if fmt == "tt" else len(row_modes)
-    if fmt == "ttm" and len(row_modes) != len(col_modes):
-        raise ValueError(f"'ttm' needs as many row modes as column modes, got {row_modes} and {col_modes}")
-    if len(ranks) != d + 1 or ranks[0] != 1 or ranks[-1] != 1:
-        raise ValueError(f"ranks must have {d + 1} entries starting and ending with 1, got {list(ranks)}")
-    if len(row_modes) > len(_ROW_SYMBOLS) or len(col_modes) > len(_COL_SYMBOLS) or d > len(_RANK_SYMBOLS):
-        raise ValueError("too many modes for the planner's index alphabet")
-    return d
-
-
-def _core_indices(fmt: str, n_rows: int, d: int) -> list[str]:
-    """Index symbols of each core (left rank, mode(s), right rank; boundary ranks included)."""
+def _core_indices(spec: TTSpec) -> list[str]:
+    """Index symbols of each core (left rank, mode(s), right rank; boundary ranks squeezed)."""
     out = []
+    d, n_rows = spec.n_cores, len(spec.row_modes)
     for k in range(d):
         left, right = _RANK_SYMBOLS[k - 1] if k else "", _RANK_SYMBOLS[k] if k < d - 1 else ""
-        if fmt == "tt":
+        if spec.fmt == "tt":
             mode = _ROW_SYMBOLS[k] if k < n_rows else _COL_SYMBOLS[k - n_rows]
         else:
             mode = _ROW_SYMBOLS[k] + _COL_SYMBOLS[k]
@@ -114,7 +140,12 @@ def tt_network(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ran
     (key = index symbol, attributes ``size`` and ``name``: ``i1``, ``o2``, ``r3``, ``tokens``).
     ``y`` is the output; an embedding (``n_tokens=None``) has no ``x`` and its row indices end on ``y``.
     The boundary ranks r_0 = r_d = 1 are squeezed out."""
-    d = _check(fmt, row_modes, col_modes, ranks)
+    return _network(_chain(fmt, row_modes, col_modes, ranks), n_tokens)
+
+
+def _network(spec: TTSpec, n_tokens: Any = None) -> nx.MultiGraph:
+    _check_alphabet(spec)
+    row_modes, col_modes, ranks, d = spec.row_modes, spec.col_modes, spec.ranks, spec.n_cores
     sizes: dict[str, int] = {}
     names: dict[str, str] = {}
     for k, m in enumerate(row_modes):
@@ -132,7 +163,7 @@ def tt_network(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ran
         g.add_node("y", indices=_TOKEN + cols, kind="output")
     else:
         g.add_node("y", indices=rows + cols, kind="output")
-    for k, idx in enumerate(_core_indices(fmt, len(row_modes), d)):
+    for k, idx in enumerate(_core_indices(spec)):
         g.add_node(f"G{k + 1}", indices=idx, kind="core")
     holders: dict[str, list[str]] = {}
     for node, data in g.nodes(data=True):
@@ -165,8 +196,8 @@ def _path_to_bracket(items: list, path) -> Bracket:
 
 
 @functools.lru_cache(maxsize=4096)
-def _bracket_cached(fmt: str, row_modes: tuple, col_modes: tuple, ranks: tuple, lo: int, hi: int):
-    g = tt_network(fmt, row_modes, col_modes, ranks)
+def _bracket_cached(spec: TTSpec, lo: int, hi: int):
+    g = _network(spec)
     sizes = _edge_sizes(g)
     idx = [g.nodes[f"G{k + 1}"]["indices"] for k in range(lo, hi)]
     if hi - lo == 1:
@@ -182,11 +213,15 @@ def _bracket_cached(fmt: str, row_modes: tuple, col_modes: tuple, ranks: tuple, 
 def bracket_cores(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                   lo: int, hi: int) -> Bracket:
     """The cheapest merge order of cores ``lo..hi-1`` (opt_einsum ``dp`` on their sub-network)."""
-    return _bracket_cached(fmt, tuple(row_modes), tuple(col_modes), tuple(ranks), lo, hi)[0]
+    return _bracket_cached(_chain(fmt, row_modes, col_modes, ranks), lo, hi)[0]
 
 
-def _chain_sizes(fmt: str, row_modes, col_modes) -> tuple[int, ...]:
-    return tuple(row_modes) + tuple(col_modes) if fmt == "tt" else tuple(m * n for m, n in zip(row_modes, col_modes))
+def cut_at(spec: TTSpec, split: int) -> Cut:
+    """The chain cut at bond ``split`` (``1 <= split <= d - 1``), each half in its cheapest merge order."""
+    s = _structure(spec)
+    if not 1 <= split < s.n_cores:
+        raise ValueError(f"split must be a bond between two cores (1..{s.n_cores - 1}), got {split}")
+    return Cut(split, _bracket_cached(s, 0, split)[0], _bracket_cached(s, split, s.n_cores)[0])
 
 
 def _merge_gemms(bracket: Bracket, sizes: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -235,11 +270,12 @@ class DeviceModel:
         return nbytes / self.bandwidth
 
 
-#: The H200 of the project's GPU machine, fitted to ``benchmarks/bench_tt.py --calibrate`` (torch 2.11,
-#: cuBLAS, 2026-12-01): bf16 GEMMs 690 TFLOP/s on an 8192^3 product and 390-680 at layer sizes; skinny
-#: rank-32 GEMMs 1.2-2.8 TB/s (the copy engine's 4.3 TB/s is out of their reach; a rank of 30 halves it,
-#: hence the rank padding); 1.1 us per kernel inside a CUDA graph (plus a GEMM's own setup), 7.7 us
-#: dispatched from Python.
+#: The H200 of the project's GPU machine, fitted to measured cuBLAS GEMMs (torch 2.11, 2026-12-01): bf16
+#: GEMMs 690 TFLOP/s on an 8192^3 product and 390-680 at layer sizes; skinny rank-32 GEMMs 1.2-2.8 TB/s (the
+#: copy engine's 4.3 TB/s is out of their reach; a rank of 30 halves it, hence the rank padding); 1.1 us per
+#: kernel inside a CUDA graph (plus a GEMM's own setup), 7.7 us dispatched from Python. These are the rates
+#: of a TT layer's products, skinnier than an LM head's: the fused loss's cost model (kernels) describes the
+#: same GPU at LM-head shapes (690 TFLOP/s, 4.3 TB/s) and keeps its own numbers.
 H200 = DeviceModel(name="H200", gemm_flops=600e12, fp32_flops=45e12, bandwidth=1.5e12, launch_s=8e-6,
                    graph_launch_s=3e-6)
 
@@ -249,7 +285,7 @@ class GemmStep:
     """One product of a plan: ``label`` (e.g. ``"T = X·L"``) is an [m, k] x [k, n] GEMM (``batch`` of
     them for a layer group's merges), or a gather/copy of ``nbytes`` when m = n = k = 0."""
 
-    phase: str  # "merge" | "forward" | "backward" | "merge_backward"
+    phase: Phase
     label: str
     m: int
     n: int
@@ -270,7 +306,7 @@ class GemmStep:
 class TTPlan:
     """How one TT call site runs, forward and backward (plain data; see the module doc)."""
 
-    kind: str  # "linear" | "embedding"
+    kind: PlanKind
     fmt: str
     row_modes: tuple[int, ...]
     col_modes: tuple[int, ...]
@@ -278,7 +314,7 @@ class TTPlan:
     n_tokens: int
     dtype_bytes: int
     cudagraphs: bool
-    strategy: str  # "factored" | "dense" (linear); "tables" | "dense" (embedding)
+    strategy: Strategy  # "factored" | "dense" (linear); "tables" | "dense" (embedding)
     split: int  # the bond between the two halves (1..d-1)
     left: Bracket  # merge order of cores[:split]
     right: Bracket  # merge order of cores[split:]
@@ -293,6 +329,11 @@ class TTPlan:
         return dict(self.candidates)[self.strategy]
 
     @property
+    def cut(self) -> Cut:
+        """The token-independent part: the split and both halves' merge orders."""
+        return Cut(self.split, self.left, self.right)
+
+    @property
     def flops(self) -> int:
         return sum(s.flops for s in self.steps)
 
@@ -300,7 +341,7 @@ class TTPlan:
     def forms_dense_weight(self) -> bool:
         return self.strategy == "dense"
 
-    def steps_in(self, *phases: str) -> tuple[GemmStep, ...]:
+    def steps_in(self, *phases: Phase) -> tuple[GemmStep, ...]:
         return tuple(s for s in self.steps if s.phase in phases)
 
     def summary(self) -> str:
@@ -343,12 +384,12 @@ class _Costing:
         self.model, self.e, self.steps = model, dtype_bytes, []
         self.launch = model.graph_launch_s if cudagraphs else model.launch_s
 
-    def gemm(self, phase: str, label: str, m: int, n: int, k: int, batch: int = 1, share: float = 1.0) -> None:
+    def gemm(self, phase: Phase, label: str, m: int, n: int, k: int, batch: int = 1, share: float = 1.0) -> None:
         t = self.model.gemm_s(m, n, k, self.e, batch) + self.launch
         self.steps.append(GemmStep(phase, label, m, n, k, batch, 2 * batch * m * n * k,
                                    self.e * batch * (m * k + k * n + m * n), t * share))
 
-    def copy(self, phase: str, label: str, nbytes: int, share: float = 1.0) -> None:
+    def copy(self, phase: Phase, label: str, nbytes: int, share: float = 1.0) -> None:
         t = self.model.copy_s(nbytes) + self.launch
         self.steps.append(GemmStep(phase, label, 0, 0, 0, 1, 0, nbytes, t * share))
 
@@ -357,61 +398,52 @@ class _Costing:
         return sum(s.est_s for s in self.steps)
 
 
-def _halves(fmt, row_modes, col_modes, ranks, split):
-    left = bracket_cores(fmt, row_modes, col_modes, ranks, 0, split)
-    right = bracket_cores(fmt, row_modes, col_modes, ranks, split, len(ranks) - 1)
-    return left, right
-
-
-def _add_merges(c: _Costing, fmt, row_modes, col_modes, ranks, split, left, right) -> None:
+def _add_merges(c: _Costing, spec: TTSpec, cut: Cut) -> None:
     """The halves' merges, forward and backward (two products each), for one layer."""
-    sizes = _chain_sizes(fmt, row_modes, col_modes)
-    for name, br in (("L", left), ("R", right)):
-        for m, n, k in _merge_gemms(br, sizes, ranks):
+    for name, br in (("L", cut.left), ("R", cut.right)):
+        for m, n, k in _merge_gemms(br, spec.sizes, spec.ranks):
             c.gemm("merge", f"{name}: merge", m, n, k)
             c.gemm("merge_backward", f"d{name}: merge bwd", m, k, n)
             c.gemm("merge_backward", f"d{name}: merge bwd", k, n, m)
 
 
-def _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks,
-                          numel: int) -> tuple[_Costing, int]:
+def _dense_weight_costing(model: DeviceModel, dtype_bytes: int, cudagraphs: bool, spec: TTSpec) -> tuple[_Costing, int]:
     """The costing of a dense-weight candidate so far: the weight merged from its two halves at the best
     split (forward) and the gradient taken back through that product (``dL``, ``dR``); the caller adds
     what uses ``W``. Returns the costing and the split."""
-    b = _best_split(fmt, row_modes, col_modes, ranks)
-    sizes = _chain_sizes(fmt, row_modes, col_modes)
+    b = dense_split(spec)
+    sizes, ranks = spec.sizes, spec.ranks
     c = _Costing(model, dtype_bytes, cudagraphs)
-    left, right = _halves(fmt, row_modes, col_modes, ranks, b)
-    _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+    _add_merges(c, spec, cut_at(spec, b))
     sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
     c.gemm("merge", "W = L·R", sl, sr, ranks[b])
-    if fmt == "ttm":
-        c.copy("merge", "W: modes to rows x cols", 2 * dtype_bytes * numel)
+    if spec.interleaved:
+        c.copy("merge", "W: modes to rows x cols", 2 * dtype_bytes * spec.padded_rows * spec.padded_cols)
     c.gemm("merge_backward", "dL = dW·Rᵀ", sl, ranks[b], sr)
     c.gemm("merge_backward", "dR = Lᵀ·dW", ranks[b], sr, sl)
     return c, b
 
 
-def _best_split(fmt, row_modes, col_modes, ranks) -> int:
-    """The bond that makes the dense weight cheapest: both halves' merges plus ``L·R``."""
-    sizes = _chain_sizes(fmt, row_modes, col_modes)
-    d = len(ranks) - 1
+def dense_split(spec: TTSpec) -> int:
+    """The bond that makes the dense weight cheapest: both halves' merges plus ``L·R`` (ties: the
+    spec's ``natural_split``)."""
+    sizes, ranks, d = spec.sizes, spec.ranks, spec.n_cores
 
     def flops(b: int) -> int:
-        lb, rb = _halves(fmt, row_modes, col_modes, ranks, b)
-        merges = sum(m * n * k for m, n, k in _merge_gemms(lb, sizes, ranks) + _merge_gemms(rb, sizes, ranks))
+        cut = cut_at(spec, b)
+        merges = sum(m * n * k for m, n, k in _merge_gemms(cut.left, sizes, ranks) + _merge_gemms(cut.right, sizes, ranks))
         return merges + math.prod(sizes[:b]) * ranks[b] * math.prod(sizes[b:])
 
-    natural = len(row_modes) if fmt == "tt" else d // 2
+    natural = spec.natural_split
     return min(range(1, d), key=lambda b: (flops(b), abs(b - natural)))
 
 
-def _einsum_flops(fmt, row_modes, col_modes, ranks, n: int) -> int:
+def _einsum_flops(spec: TTSpec, n: int) -> int:
     """Forward+backward FLOPs of ``torch.einsum(x, G1, ..., Gd)`` contracted left to right (each
     pairwise product's backward is two products of the same FLOPs)."""
-    g = tt_network(fmt, row_modes, col_modes, ranks, n)
+    g = _network(spec, n)
     sizes = _edge_sizes(g)
-    leaves = ["x"] + [f"G{k + 1}" for k in range(len(ranks) - 1)]
+    leaves = ["x"] + [f"G{k + 1}" for k in range(spec.n_cores)]
     idx = [g.nodes[v]["indices"] for v in leaves]
     eq = ",".join(idx) + "->" + g.nodes["y"]["indices"]
     path = [(0, 1)] + [(0, len(leaves) - 2 - j) for j in range(len(leaves) - 2)]
@@ -419,20 +451,25 @@ def _einsum_flops(fmt, row_modes, col_modes, ranks, n: int) -> int:
     return 3 * int(info.opt_cost)
 
 
+def _candidates(cands: dict[str, tuple[_Costing, int]]) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """The cheapest candidate, and every candidate's estimate, cheapest first."""
+    best = min(cands, key=lambda k: cands[k][0].total)
+    return best, tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
+
+
 # ----------------------------------------------------------------------------- linear
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_linear_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagraphs, model) -> TTPlan:
+def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
     t0 = time.perf_counter()
-    P, Q = math.prod(row_modes), math.prod(col_modes)
+    P, Q = spec.padded_rows, spec.padded_cols
     cands: dict[str, tuple[_Costing, int]] = {}
-    if fmt == "tt":  # the low-rank bottleneck between the row and the column modes
-        a = len(row_modes)
-        r = ranks[a]
+    a = spec.bottleneck
+    if a is not None:  # the low-rank bottleneck between the row and the column modes
+        r = spec.ranks[a]
         c = _Costing(model, dtype_bytes, cudagraphs)
-        left, right = _halves(fmt, row_modes, col_modes, ranks, a)
-        _add_merges(c, fmt, row_modes, col_modes, ranks, a, left, right)
+        _add_merges(c, spec, cut_at(spec, a))
         c.gemm("forward", "T = X·L", n, r, P)
         c.gemm("forward", "Y = T·R", n, Q, r)
         c.gemm("backward", "dT = dY·Rᵀ", n, r, Q)
@@ -440,99 +477,117 @@ def _plan_linear_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagr
         c.gemm("backward", "dL = Xᵀ·dT", P, r, n)
         c.gemm("backward", "dR = Tᵀ·dY", r, Q, n)
         cands["factored"] = (c, a)
-    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks, P * Q)
-    if fmt == "ttm":
+    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, spec)
+    if spec.interleaved:
         c.copy("merge_backward", "dW: back to chain order", 2 * dtype_bytes * P * Q)
     c.gemm("forward", "Y = X·W", n, Q, P)
     c.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
     c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
     cands["dense"] = (c, b)
-    best = min(cands, key=lambda k: cands[k][0].total)
+    best, order = _candidates(cands)
     chosen, split = cands[best]
-    left, right = _halves(fmt, row_modes, col_modes, ranks, split)
-    order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
-    return TTPlan(kind="linear", fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_tokens=n,
-                  dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split, left=left,
-                  right=right, steps=tuple(chosen.steps), candidates=order,
-                  einsum_flops=_einsum_flops(fmt, row_modes, col_modes, ranks, n), plan_time_s=time.perf_counter() - t0)
+    cut = cut_at(spec, split)
+    return TTPlan(kind="linear", fmt=spec.fmt, row_modes=spec.row_modes, col_modes=spec.col_modes, ranks=spec.ranks,
+                  n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split,
+                  left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
+                  einsum_flops=_einsum_flops(spec, n), plan_time_s=time.perf_counter() - t0)
+
+
+def _plannable(spec: TTSpec, what: str) -> TTSpec:
+    """The structure to plan for ``spec`` (a ValueError when there is nothing to plan)."""
+    s = _structure(spec)
+    _check_alphabet(s)
+    if s.n_cores < 2:
+        raise ValueError(f"a TT {what} needs at least two cores to plan a "
+                         f"{'contraction' if what == 'layer' else 'lookup'}")
+    return s
+
+
+def plan_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
+                model: DeviceModel = H200) -> TTPlan:
+    """Plan ``x @ M`` (forward and backward) for the TT layer ``spec`` at ``n_tokens`` tokens (see the
+    module doc).
+
+    ``n_tokens`` may be an int, a ``torch.SymInt`` or a sympy expression (its size hint is used; no
+    guard). ``cudagraphs`` costs launches as inside a CUDA graph. Plans are cached on the chain
+    (format, modes, ranks) and the other arguments; ``rows``, ``cols`` and ``transpose`` do not
+    change a plan.
+    """
+    return _plan_linear_cached(_plannable(spec, "layer"), size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs),
+                               model)
 
 
 def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                    n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
                    model: DeviceModel = H200) -> TTPlan:
-    """Plan ``x @ M`` (forward and backward) for a TT layer at ``n_tokens`` tokens (see the module doc).
-
-    ``n_tokens`` may be an int, a ``torch.SymInt`` or a sympy expression (its size hint is used; no
-    guard). ``cudagraphs`` costs launches as inside a CUDA graph. Plans are cached on the arguments.
-    """
-    d = _check(fmt, row_modes, col_modes, ranks)
-    if d < 2:
-        raise ValueError("a TT layer needs at least two cores to plan a contraction")
-    return _plan_linear_cached(fmt, tuple(int(m) for m in row_modes), tuple(int(m) for m in col_modes),
-                               tuple(int(r) for r in ranks), size_hint(n_tokens), int(dtype_bytes),
-                               bool(cudagraphs), model)
+    """:func:`plan_linear` for the chain ``(fmt, row_modes, col_modes, ranks)``."""
+    return plan_linear(_chain(fmt, row_modes, col_modes, ranks), n_tokens, dtype_bytes, cudagraphs=cudagraphs,
+                       model=model)
 
 
 # ----------------------------------------------------------------------------- embedding
 
 
-def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
-                 split: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(I_L, O_L, r), (I_R, O_R, r)``: the row and column extents of the two halves at ``split``."""
-    d = len(ranks) - 1
-    if fmt == "tt":
-        modes = [(m, 1) for m in row_modes] + [(1, n) for n in col_modes]
-    else:
-        modes = list(zip(row_modes, col_modes))
-    left, right = modes[:split], modes[split:d]
-    r = ranks[split]
+def _table_shapes(spec: TTSpec, split: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    modes = spec.chain_modes
+    left, right = modes[:split], modes[split:]
+    r = spec.ranks[split]
     return ((math.prod(m for m, _ in left), math.prod(n for _, n in left), r),
             (math.prod(m for m, _ in right), math.prod(n for _, n in right), r))
 
 
+def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
+                 split: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(I_L, O_L, r), (I_R, O_R, r)``: the row and column extents of the two halves at ``split``."""
+    return _table_shapes(_chain(fmt, row_modes, col_modes, ranks), split)
+
+
 @functools.lru_cache(maxsize=1024)
-def _plan_embedding_cached(fmt, row_modes, col_modes, ranks, n, dtype_bytes, cudagraphs, model) -> TTPlan:
+def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
     t0 = time.perf_counter()
-    d = len(ranks) - 1
-    P, Q = math.prod(row_modes), math.prod(col_modes)
+    P, Q = spec.padded_rows, spec.padded_cols
     e = dtype_bytes
-    cands: dict[str, tuple[_Costing, int, Any]] = {}
-    for b in range(1, d):
-        (il, ol, r), (ir, orr, _) = shapes = table_shapes(fmt, row_modes, col_modes, ranks, b)
+    cands: dict[str, tuple[_Costing, int]] = {}
+    tables: dict[int, Any] = {}
+    for b in range(1, spec.n_cores):
+        (il, ol, r), (ir, orr, _) = tables[b] = _table_shapes(spec, b)
         c = _Costing(model, dtype_bytes, cudagraphs)
-        left, right = _halves(fmt, row_modes, col_modes, ranks, b)
-        _add_merges(c, fmt, row_modes, col_modes, ranks, b, left, right)
+        _add_merges(c, spec, cut_at(spec, b))
         c.copy("forward", "gather A[iL], B[iR]", e * n * (ol + orr) * r * 2)
         c.gemm("forward", "out = A[iL]·B[iR]ᵀ", ol, orr, r, batch=n)
         c.gemm("backward", "dA[iL] = dout·B[iR]", ol, r, orr, batch=n)
         c.gemm("backward", "dB[iR] = doutᵀ·A[iL]", orr, r, ol, batch=n)
         c.copy("backward", "scatter-add into dA, dB", 4 * (n * (ol + orr) * r * 2 + (il * ol + ir * orr) * r))
         if "tables" not in cands or c.total < cands["tables"][0].total:
-            cands["tables"] = (c, b, shapes)
-    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, fmt, row_modes, col_modes, ranks, P * Q)
+            cands["tables"] = (c, b)
+    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, spec)
     c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
     c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
-    cands["dense"] = (c, b, None)
-    best = min(cands, key=lambda k: cands[k][0].total)
-    chosen, split, shapes = cands[best]
-    left, right = _halves(fmt, row_modes, col_modes, ranks, split)
-    order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
-    return TTPlan(kind="embedding", fmt=fmt, row_modes=row_modes, col_modes=col_modes, ranks=ranks, n_tokens=n,
-                  dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split, left=left, right=right, steps=tuple(chosen.steps), candidates=order, einsum_flops=0,
-                  plan_time_s=time.perf_counter() - t0, table_shapes=shapes)
+    cands["dense"] = (c, b)
+    best, order = _candidates(cands)
+    chosen, split = cands[best]
+    cut = cut_at(spec, split)
+    return TTPlan(kind="embedding", fmt=spec.fmt, row_modes=spec.row_modes, col_modes=spec.col_modes,
+                  ranks=spec.ranks, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
+                  split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
+                  einsum_flops=0, plan_time_s=time.perf_counter() - t0,
+                  table_shapes=tables[split] if best == "tables" else None)
+
+
+def plan_embedding(spec: TTSpec, n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
+                   model: DeviceModel = H200) -> TTPlan:
+    """Plan a lookup of the TT embedding ``spec`` (forward + backward): gathered tables at the best
+    bond, or the dense table when that is cheaper (small vocabularies)."""
+    return _plan_embedding_cached(_plannable(spec, "embedding"), size_hint(n_lookups), int(dtype_bytes),
+                                  bool(cudagraphs), model)
 
 
 def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                       n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
                       model: DeviceModel = H200) -> TTPlan:
-    """Plan a TT embedding lookup (forward + backward): gathered tables at the best bond, or the dense
-    table when that is cheaper (small vocabularies)."""
-    d = _check(fmt, row_modes, col_modes, ranks)
-    if d < 2:
-        raise ValueError("a TT embedding needs at least two cores to plan a lookup")
-    return _plan_embedding_cached(fmt, tuple(int(m) for m in row_modes), tuple(int(m) for m in col_modes),
-                                  tuple(int(r) for r in ranks), size_hint(n_lookups), int(dtype_bytes),
-                                  bool(cudagraphs), model)
+    """:func:`plan_embedding` for the chain ``(fmt, row_modes, col_modes, ranks)``."""
+    return plan_embedding(_chain(fmt, row_modes, col_modes, ranks), n_lookups, dtype_bytes, cudagraphs=cudagraphs,
+                          model=model)
 
 
 def clear_plan_cache() -> None:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import comera_compile  # noqa: F401
 from comera_compile.kernels import tt_runtime
-from comera_compile.tt import planner
 from comera_compile.kernels.tt_embedding import tt_embedding
+from comera_compile.tt import TTSpec, planner
 
 _spec = importlib.util.spec_from_file_location("_tt_reference", pathlib.Path(__file__).with_name("tt_reference.py"))
 ref = importlib.util.module_from_spec(_spec)
@@ -53,8 +53,8 @@ def _lookup(case, split, idx, cores, gates, padding_idx=None):
     fmt, rm, cm, ranks, rows, cols = case
     left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
-    A, B = tt_runtime.group_outputs(*_flats(cores, gates), fmt, rm, cm, ranks, rows, cols, split, left, right,
-                                    "tables", cores[0].dtype)
+    A, B = tt_runtime.group_outputs(*_flats(cores, gates), TTSpec(fmt, rm, cm, ranks, rows, cols),
+                                    planner.Cut(split, left, right), "tables", cores[0].dtype)
     return tt_runtime.lookup(idx, A, B, rows, cols, padding_idx)
 
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import comera_compile  # noqa: F401
 from comera_compile.kernels import tt_runtime
-from comera_compile.tt import planner
 from comera_compile.kernels.tt_linear import tt_linear
+from comera_compile.tt import TTSpec, planner
 
 _spec = importlib.util.spec_from_file_location("_tt_reference", pathlib.Path(__file__).with_name("tt_reference.py"))
 ref = importlib.util.module_from_spec(_spec)
@@ -69,8 +69,8 @@ def _apply(strategy, output, split, x, cores, gates, b, case, transposed=False):
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
     if transposed:
         output = {"factors": "factors_t", "dense_t": "dense"}[output]
-    parts = tt_runtime.group_outputs(*_flats([cores], [gates]), fmt, rm, cm, ranks, rows, cols, split, left, right,
-                                     output, x.dtype)
+    parts = tt_runtime.group_outputs(*_flats([cores], [gates]), TTSpec(fmt, rm, cm, ranks, rows, cols),
+                                     planner.Cut(split, left, right), output, x.dtype)
     if strategy == "factored":
         return F.linear(tt_runtime.project(x, parts[0], x.dtype), parts[1], b)
     return F.linear(x, parts[0], b)
@@ -121,15 +121,15 @@ def test_batched_group_equals_layer_by_layer():
     split = len(rm)
     left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
     right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
+    spec, cut = TTSpec(fmt, rm, cm, ranks, rows, cols), planner.Cut(split, left, right)
     for output in ("factors", "factors_t", "dense", "dense_t", "tables"):
-        batched = tt_runtime.group_outputs(*_flats([lv[:d] for lv in leaves], [lv[d:] for lv in leaves]), fmt, rm,
-                                           cm, ranks, rows, cols, split, left, right, output, torch.float64)
+        batched = tt_runtime.group_outputs(*_flats([lv[:d] for lv in leaves], [lv[d:] for lv in leaves]), spec, cut,
+                                           output, torch.float64)
         per = len(batched) // 3
         weights = [torch.randn_like(t) for t in batched]
         grads = torch.autograd.grad(sum((t * w).sum() for t, w in zip(batched, weights)), [t for lv in leaves for t in lv])
         for k, lv in enumerate(leaves):
-            one = tt_runtime.group_outputs(*_flats([lv[:d]], [lv[d:]]), fmt, rm, cm, ranks, rows, cols, split, left,
-                                           right, output, torch.float64)
+            one = tt_runtime.group_outputs(*_flats([lv[:d]], [lv[d:]]), spec, cut, output, torch.float64)
             for a, b in zip(one, batched[k * per:(k + 1) * per]):
                 torch.testing.assert_close(a, b)
             g_one = torch.autograd.grad(sum((t * w).sum() for t, w in zip(one, weights[k * per:(k + 1) * per])), lv)
