@@ -34,10 +34,12 @@ def comera_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any =
         raise OptionsError(f"the comera backend got unexpected argument(s) {sorted(unexpected)}; "
                            "it takes options= (a dict of CompileOptions keys) or mode=")
     opts = CompileOptions.from_user(options, mode)
-    return _compile(gm, example_inputs, opts)
+    return compile_graph(gm, example_inputs, opts)
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
+def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions) -> Callable:
+    """Run the passes over ``gm`` with validated options, record the graph's report, hand it to the
+    inner compiler (what the backend and ``explain`` do with each Dynamo graph)."""
     global _graph_counter
     collector = active_report()
     index = len(collector.graph_reports) if collector is not None else _graph_counter

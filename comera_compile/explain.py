@@ -42,7 +42,7 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
     ``report.rewrites``, ``report.skipped`` and ``report.graphs`` hold the same as data, and
     ``report.output`` the model's output.
     """
-    from comera_compile.backend import _compile
+    from comera_compile.backend import compile_graph
 
     target = model
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
@@ -52,7 +52,7 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
     opts = CompileOptions.from_user(options)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        return _compile(gm, example_inputs, opts)
+        return compile_graph(gm, example_inputs, opts)
 
     report = Report()
     compiled = torch.compile(target, backend=backend)

@@ -8,5 +8,7 @@
 :mod:`comera_compile.tt.format`'s names import from here.
 """
 
+from comera_compile.tt import format as _new
 from comera_compile.tt.format import *  # noqa: F401,F403
-from comera_compile.tt.format import __all__  # noqa: F401
+
+__all__ = list(_new.__all__)
