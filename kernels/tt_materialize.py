@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from comera_compile.tt import TTSpec, materialize, materialize_vjp, split_flat
+from comera_compile.tt import TTSpec, join_flat, materialize, materialize_vjp, split_flat
 
 __all__ = ["tt_materialize"]
 
@@ -63,8 +63,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad):
     core_flat, gate_flat = ctx.saved_tensors
     grad_cores, grad_gates = materialize_vjp(*split_flat(core_flat, gate_flat, ctx.spec), ctx.spec, grad)
-    flat = torch.cat([g.reshape(-1) for g in grad_cores])
-    gflat = torch.cat([g.reshape(-1) for g in grad_gates]) if grad_gates else gate_flat.new_zeros(0)
+    flat, gflat = join_flat(grad_cores, grad_gates, like=gate_flat)
     return flat, gflat, None, None, None, None, None, None, None
 
 
@@ -84,5 +83,4 @@ def tt_materialize(
     """Python entry point: the weight of the TT given by ``cores`` and ``gates`` (concatenated into the
     op's flat storage; ranks read from the core shapes)."""
     spec = TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
-    gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else cores[0].new_zeros(0)
-    return torch.ops.comera.tt_materialize(*spec.materialize_args(torch.cat([c.reshape(-1) for c in cores]), gate_flat))
+    return torch.ops.comera.tt_materialize(*spec.materialize_args(*join_flat(cores, gates)))

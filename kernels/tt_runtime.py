@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.format import TTSpec, chain_modes
+from comera_compile.tt.format import TTSpec, chain_modes, join_flat
 from comera_compile.tt.planner import Bracket, Cut
 
 if TYPE_CHECKING:
@@ -244,6 +244,5 @@ def _split_indices(flat: torch.Tensor, rows: int, ir: int) -> tuple[torch.Tensor
 def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec,
                   plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """:func:`group_outputs` for one layer given as lists of cores and gates."""
-    core_flat = torch.cat([c.reshape(-1) for c in cores])
-    gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else core_flat.new_zeros(0)
+    core_flat, gate_flat = join_flat(cores, gates)
     return group_outputs([core_flat], [gate_flat], spec, plan, output, dtype)

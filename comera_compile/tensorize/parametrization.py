@@ -106,9 +106,8 @@ class TTParametrization(nn.Module):
         self.init = init
         self.init_error = init_error  # TT-SVD init: the relative error reached
         self.svd_tol = svd_tol  # the tolerance asked for (TTConfig.svd_tol), or None
-        self.core_flat = nn.Parameter(torch.cat([c.reshape(-1) for c in cores]))
-        self.gate_flat = nn.Parameter(torch.cat([g.reshape(-1) for g in gates]) if gates else
-                                      cores[0].new_zeros(0))
+        core_flat, gate_flat = tt.join_flat(cores, gates)
+        self.core_flat, self.gate_flat = nn.Parameter(core_flat), nn.Parameter(gate_flat)
         self._set_shapes([tuple(c.shape) for c in cores], [g.numel() for g in gates])
         self.refit_on_assign = False
 
@@ -173,9 +172,9 @@ class TTParametrization(nn.Module):
     @torch.no_grad()
     def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
         """Replace every core and gate (shapes may change; the Parameters keep their identity)."""
-        set_parameter_data_(self.core_flat, torch.cat([c.reshape(-1) for c in cores]).to(self.core_flat))
-        set_parameter_data_(self.gate_flat, torch.cat([g.reshape(-1) for g in gates]).to(self.gate_flat)
-                            if gates else self.gate_flat.data.new_zeros(0))
+        core_flat, gate_flat = tt.join_flat(cores, gates, like=self.gate_flat.data)
+        set_parameter_data_(self.core_flat, core_flat.to(self.core_flat))
+        set_parameter_data_(self.gate_flat, gate_flat.to(self.gate_flat))
         self._set_shapes([tuple(c.shape) for c in cores], [g.numel() for g in gates])
 
     @property

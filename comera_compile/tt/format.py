@@ -54,6 +54,7 @@ __all__ = [
     "normalize_ranks",
     "random_cores",
     "rank_bounds",
+    "join_flat",
     "spec_from_cores",
     "split_flat",
     "tt_svd",
@@ -482,6 +483,17 @@ def spec_from_cores(
 ) -> TTSpec:
     """:meth:`TTSpec.from_cores` (the spec whose ranks are read off the cores' shapes)."""
     return TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
+
+
+def join_flat(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], *,
+              like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(core_flat, gate_flat)``: the cores back to back and the gates back to back, each flattened
+    row-major (the inverse of :func:`split_flat`). Without gates (one core) the gate storage is empty,
+    of ``like``'s dtype and device (default: the cores')."""
+    core_flat = torch.cat([c.reshape(-1) for c in cores])
+    empty = core_flat if like is None else like
+    gate_flat = torch.cat([g.reshape(-1) for g in gates]) if gates else empty.new_zeros(0)
+    return core_flat, gate_flat
 
 
 def split_flat(core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec) -> tuple[list, list]:

@@ -307,10 +307,7 @@ class TTPlan:
     """How one TT call site runs, forward and backward (plain data; see the module doc)."""
 
     kind: PlanKind
-    fmt: str
-    row_modes: tuple[int, ...]
-    col_modes: tuple[int, ...]
-    ranks: tuple[int, ...]
+    spec: TTSpec  # the chain planned for (over the whole padded matrix)
     n_tokens: int
     dtype_bytes: int
     cudagraphs: bool
@@ -327,6 +324,22 @@ class TTPlan:
     @property
     def est_s(self) -> float:
         return dict(self.candidates)[self.strategy]
+
+    @property
+    def fmt(self) -> str:
+        return self.spec.fmt
+
+    @property
+    def row_modes(self) -> tuple[int, ...]:
+        return self.spec.row_modes
+
+    @property
+    def col_modes(self) -> tuple[int, ...]:
+        return self.spec.col_modes
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.spec.ranks
 
     @property
     def cut(self) -> Cut:
@@ -431,7 +444,8 @@ def dense_split(spec: TTSpec) -> int:
 
     def flops(b: int) -> int:
         cut = cut_at(spec, b)
-        merges = sum(m * n * k for m, n, k in _merge_gemms(cut.left, sizes, ranks) + _merge_gemms(cut.right, sizes, ranks))
+        gemms = _merge_gemms(cut.left, sizes, ranks) + _merge_gemms(cut.right, sizes, ranks)
+        merges = sum(m * n * k for m, n, k in gemms)
         return merges + math.prod(sizes[:b]) * ranks[b] * math.prod(sizes[b:])
 
     natural = spec.natural_split
@@ -487,10 +501,9 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     best, order = _candidates(cands)
     chosen, split = cands[best]
     cut = cut_at(spec, split)
-    return TTPlan(kind="linear", fmt=spec.fmt, row_modes=spec.row_modes, col_modes=spec.col_modes, ranks=spec.ranks,
-                  n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best, split=split,
-                  left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
-                  einsum_flops=_einsum_flops(spec, n), plan_time_s=time.perf_counter() - t0)
+    return TTPlan(kind="linear", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs,
+                  strategy=best, split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps),
+                  candidates=order, einsum_flops=_einsum_flops(spec, n), plan_time_s=time.perf_counter() - t0)
 
 
 def _plannable(spec: TTSpec, what: str) -> TTSpec:
@@ -567,10 +580,9 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
     best, order = _candidates(cands)
     chosen, split = cands[best]
     cut = cut_at(spec, split)
-    return TTPlan(kind="embedding", fmt=spec.fmt, row_modes=spec.row_modes, col_modes=spec.col_modes,
-                  ranks=spec.ranks, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
-                  split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
-                  einsum_flops=0, plan_time_s=time.perf_counter() - t0,
+    return TTPlan(kind="embedding", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs,
+                  strategy=best, split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps),
+                  candidates=order, einsum_flops=0, plan_time_s=time.perf_counter() - t0,
                   table_shapes=tables[split] if best == "tables" else None)
 
 
