@@ -8,14 +8,16 @@ it) the op is simply correct: the body contracts the cores with torch
 (:func:`comera_compile.tt.materialize_vjp`) written in plain torch ops, so AOTAutograd traces them
 into the backward graph and double backward works.
 
-Schema (DESIGN.md)::
+Schema (checkpoints and compile caches depend on it)::
 
     comera::tt_materialize(Tensor core_flat, Tensor gate_flat, str fmt, int[] row_modes,
                            int[] col_modes, int[] ranks, int rows, int cols, bool transpose) -> Tensor
 
-The cores are stored back to back in ``core_flat`` and the rank gates in ``gate_flat`` (the layout of
-``comera_compile.tt.split_flat`` for ``ranks``). It returns ``M[:rows, :cols]`` (``transpose=False``) or
-its transpose, contiguous (``transpose=True``, nn.Linear).
+The arguments after the two flat storages are a :class:`~comera_compile.tt.format.TTSpec`'s fields in
+order: ``spec.materialize_args(core_flat, gate_flat)`` writes them and ``TTSpec.from_materialize_node``
+reads them back from a graph. The cores are stored back to back in ``core_flat`` and the rank gates in
+``gate_flat`` (``comera_compile.tt.join_flat`` / ``split_flat`` for ``ranks``). It returns
+``M[:rows, :cols]`` (``transpose=False``) or its transpose, contiguous (``transpose=True``, nn.Linear).
 """
 
 from __future__ import annotations

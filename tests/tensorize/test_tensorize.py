@@ -1,4 +1,4 @@
-"""tensorize_ / densify_ / compression_report / iter_tt_layers (comera_compile/tensorize.py)."""
+"""tensorize_ / densify_ / compression_report / iter_tt_layers (comera_compile/tensorize/)."""
 
 import copy
 import math

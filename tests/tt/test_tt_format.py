@@ -1,4 +1,4 @@
-"""TT / TT-matrix format math (comera_compile/tt.py) and the comera::tt_materialize op.
+"""TT / TT-matrix format math (comera_compile/tt/format.py) and the comera::tt_materialize op.
 
 Every numeric check compares against ``reference_weight`` below: a float64 einsum over the full
 index tensor, written from DESIGN.md's definition and sharing no code with the implementation.
