@@ -1,0 +1,111 @@
+"""The installed layout's import graph: no circle between modules, no module importing another's private
+name, the tt floor free of nn.Module-level code and ops; the old module paths still import."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# folder -> package, as pyproject.toml maps them
+PACKAGES = {"comera_compile": ROOT / "comera_compile", "comera_compile.passes": ROOT / "passes",
+            "comera_compile.kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(path: pathlib.Path, modules: dict) -> tuple[set[str], list[str]]:
+    """The package modules ``path`` imports when it is imported (not inside functions, not for type
+    checking only), and every private name it imports from a package module."""
+    eager: set[str] = set()
+    private: list[str] = []
+
+    def visit(body, lazy: bool) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(node.body, True)
+            elif isinstance(node, (ast.ClassDef, ast.If, ast.Try, ast.With)):
+                for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                              *[h.body for h in getattr(node, "handlers", [])]):
+                    visit(block, lazy)
+            elif isinstance(node, ast.Import):
+                eager.update(a.name for a in node.names if a.name in modules and not lazy)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    if alias.name.startswith("_") and target not in modules:
+                        private.append(f"from {node.module} import {alias.name}")
+                    if not lazy:
+                        eager.add(target if target in modules else node.module)
+
+    visit(ast.parse(path.read_text()).body, False)
+    return eager, private
+
+
+def test_no_circles_and_no_private_names():
+    modules = _modules()
+    graph, private = {}, []
+    for name, path in modules.items():
+        deps, names = _imports(path, modules)
+        graph[name] = deps - {name}
+        private += [f"{name}: {n}" for n in names]
+    assert not private, private
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def walk(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != 1, " -> ".join(path[path.index(dep):] + [dep]) if dep in path else dep
+            if dep not in state:
+                walk(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [name])
+
+
+def test_the_tt_floor_holds_no_module_and_no_op():
+    modules = _modules()
+    allowed = {"comera_compile.tt", "comera_compile.tt.format", "comera_compile.tt.planner",
+               "comera_compile.fx_utils"}
+    for name in [m for m in modules if m == "comera_compile.tt" or m.startswith("comera_compile.tt.")]:
+        deps, _ = _imports(modules[name], modules)
+        assert deps <= allowed, (name, deps - allowed)
+        tree = ast.parse(modules[name].read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        used = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not [m for m in imported | used if m.startswith(("torch.nn", "torch.library", "nn."))], name
+
+
+def test_old_paths_still_import():
+    import comera_compile as cc
+    from comera_compile import optim, planner, tt, tt_runtime
+    from comera_compile.kernels import tt_runtime as runtime
+    from comera_compile.tensorize import optim as new_optim
+    from comera_compile.tt import planner as new_planner
+    from comera_compile.tt import TTSpec, materialize, random_cores  # noqa: F401
+
+    assert planner.plan_tt_linear is new_planner.plan_tt_linear is cc.plan_tt_linear
+    assert planner.H200 is new_planner.H200 and planner.clear_plan_cache is new_planner.clear_plan_cache
+    assert tt_runtime.group_outputs is runtime.group_outputs and optim.param_groups is new_optim.param_groups
+    assert tt.TTSpec is cc.TTSpec and tt.cap_ranks and tt.spec_from_cores
+    tensorize = importlib.import_module("comera_compile.tensorize")
+    for name in ("CompressionReport", "LayerReport", "SkippedLayer", "TTConfig", "TTLayer", "TTParametrization",
+                 "TTSpec", "compression_report", "densify_", "iter_tt_layers", "require_unsharded",
+                 "set_parameter_data_", "tensorize_", "tt_parametrization"):
+        assert hasattr(tensorize, name), name
+    assert importlib.import_module("comera_compile.backend").comera_backend
