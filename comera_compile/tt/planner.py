@@ -465,10 +465,19 @@ def _einsum_flops(spec: TTSpec, n: int) -> int:
     return 3 * int(info.opt_cost)
 
 
-def _candidates(cands: dict[str, tuple[_Costing, int]]) -> tuple[str, tuple[tuple[str, float], ...]]:
-    """The cheapest candidate, and every candidate's estimate, cheapest first."""
+def _choose(kind: PlanKind, spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool,
+            cands: dict[str, tuple[_Costing, int]], t0: float, einsum_flops: int = 0,
+            tables: dict[int, Any] | None = None) -> TTPlan:
+    """The plan of the cheapest candidate (``(costing, split)`` by strategy), with every candidate's
+    estimate, cheapest first."""
     best = min(cands, key=lambda k: cands[k][0].total)
-    return best, tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
+    order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
+    chosen, split = cands[best]
+    cut = cut_at(spec, split)
+    return TTPlan(kind=kind, spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
+                  split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
+                  einsum_flops=einsum_flops, plan_time_s=time.perf_counter() - t0,
+                  table_shapes=tables[split] if best == "tables" else None)
 
 
 # ----------------------------------------------------------------------------- linear
@@ -498,12 +507,7 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     c.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
     c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
     cands["dense"] = (c, b)
-    best, order = _candidates(cands)
-    chosen, split = cands[best]
-    cut = cut_at(spec, split)
-    return TTPlan(kind="linear", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs,
-                  strategy=best, split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps),
-                  candidates=order, einsum_flops=_einsum_flops(spec, n), plan_time_s=time.perf_counter() - t0)
+    return _choose("linear", spec, n, dtype_bytes, cudagraphs, cands, t0, einsum_flops=_einsum_flops(spec, n))
 
 
 def _plannable(spec: TTSpec, what: str) -> TTSpec:
@@ -577,13 +581,7 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
     c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
     c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
     cands["dense"] = (c, b)
-    best, order = _candidates(cands)
-    chosen, split = cands[best]
-    cut = cut_at(spec, split)
-    return TTPlan(kind="embedding", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs,
-                  strategy=best, split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps),
-                  candidates=order, einsum_flops=0, plan_time_s=time.perf_counter() - t0,
-                  table_shapes=tables[split] if best == "tables" else None)
+    return _choose("embedding", spec, n, dtype_bytes, cudagraphs, cands, t0, tables=tables)
 
 
 def plan_embedding(spec: TTSpec, n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
