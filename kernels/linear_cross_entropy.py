@@ -25,13 +25,14 @@ CPU a bad target raises eager's ``IndexError``.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .dispatch import use_triton
+from .dispatch import IMPLS, use_triton
 from .linear_cross_entropy_paths import (
-    FORWARD_DX_MAX_D,
     chunked,
     forward_dx_small_d,
     grad_coefs,
@@ -41,6 +42,7 @@ from .linear_cross_entropy_paths import (
 )
 from .linear_cross_entropy_plan import (
     BACKWARDS,
+    FORWARD_DX_MAX_D,
     REDUCTIONS,
     STRATEGIES,
     CCEStats,
@@ -55,31 +57,134 @@ from .linear_cross_entropy_plan import (
 )
 
 __all__ = [
-    "CCEStats", "CCETuning", "cce_tuning", "choose_strategy", "default_filter_eps", "fused_loss_pays",
-    "linear_cross_entropy", "record_cce_stats",
+    "CCEStats", "CCETuning", "LCEOptions", "cce_tuning", "choose_strategy", "default_filter_eps",
+    "fused_loss_pays", "linear_cross_entropy", "record_cce_stats",
 ]
 
 OP = "comera::linear_cross_entropy"
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks (shared by the public function, the op and its fake)
+# The options of one call (shared by the public function, the cce pass, the op and its autograd)
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_options(reduction: str, backward: str, strategy: str, label_smoothing: float, softcap: float,
-                   memory_budget: int) -> None:
-    for name, value, valid in (("reduction", reduction, REDUCTIONS), ("backward", backward, BACKWARDS),
-                               ("strategy", strategy, STRATEGIES)):
-        if value not in valid:
-            raise ValueError(f"linear_cross_entropy: {name}={value!r}; valid values: {list(valid)}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"linear_cross_entropy: label_smoothing={label_smoothing} not in [0, 1]")
-    if softcap < 0.0:
-        raise ValueError(f"linear_cross_entropy: softcap={softcap} must be >= 0")
-    if memory_budget < -1:
-        raise ValueError(f"linear_cross_entropy: memory_budget={memory_budget} must be a byte count "
-                         "(or None/-1 for the default)")
+@dataclass(frozen=True)
+class LCEOptions:
+    """Every non-tensor argument of ``comera::linear_cross_entropy``, checked once (here).
+
+    The ops take them flat after their tensors (``torch.library`` schemas take primitive
+    arguments), and every caller goes through this class: the call is
+    ``torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())``, and
+    ``LCEOptions.from_op_args(args)`` reads the arguments back (the fake, the autograd setup); the
+    backward op likewise with :meth:`backward_op_args` / :meth:`from_backward_op_args`. Each op's
+    order is read from its registered schema, so no caller spells a position.
+
+    * ``softcap``: ``c`` of ``c * tanh(z / c)`` over the logits, 0 (or None) for none.
+    * ``ignore_index``, ``label_smoothing``, ``reduction``: as in ``F.cross_entropy``.
+    * ``backward``, ``filter_eps``, ``deterministic``, ``strategy``, ``memory_budget``, ``impl``: see
+      :func:`linear_cross_entropy`. ``filter_eps=None`` stands for the inputs' dtype's default,
+      filled in by :meth:`resolve`; ``memory_budget`` -1 (or None) for the default budget.
+    * ``need_dx``, ``need_dw``, ``need_db``: the gradients to form (in the forward: those the
+      chunked and fused paths may form there; in the backward: those to compute).
+
+    The values are stored in the op's types (float, int, str, bool).
+    """
+
+    softcap: Optional[float] = 0.0
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    backward: str = "filtered"
+    filter_eps: Optional[float] = None
+    deterministic: bool = False
+    impl: str = "auto"
+    strategy: str = "auto"
+    memory_budget: Optional[int] = -1
+    need_dx: bool = False
+    need_dw: bool = False
+    need_db: bool = False
+
+    def __post_init__(self) -> None:
+        for name, valid in (("reduction", REDUCTIONS), ("backward", BACKWARDS), ("strategy", STRATEGIES),
+                            ("impl", IMPLS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"linear_cross_entropy: {name}={getattr(self, name)!r}; valid values: {list(valid)}")
+        softcap = float(self.softcap or 0.0)
+        if softcap < 0.0:
+            raise ValueError(f"linear_cross_entropy: softcap={softcap} must be >= 0 (0 or None: no soft-cap)")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"linear_cross_entropy: label_smoothing={self.label_smoothing} not in [0, 1]")
+        if self.filter_eps is not None and not self.filter_eps >= 0.0:
+            raise ValueError(f"linear_cross_entropy: filter_eps={self.filter_eps} must be >= 0 "
+                             "(or None for the dtype's default)")
+        budget = -1 if self.memory_budget is None else int(self.memory_budget)
+        if budget < -1:
+            raise ValueError(f"linear_cross_entropy: memory_budget={self.memory_budget} must be a byte count "
+                             "(or None/-1 for the default)")
+        typed = dict(softcap=softcap, ignore_index=int(self.ignore_index), label_smoothing=float(self.label_smoothing),
+                     filter_eps=None if self.filter_eps is None else float(self.filter_eps),
+                     deterministic=bool(self.deterministic), memory_budget=budget, need_dx=bool(self.need_dx),
+                     need_dw=bool(self.need_dw), need_db=bool(self.need_db))
+        for name, value in typed.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_op_args(cls, args) -> "LCEOptions":
+        """The options from the op's arguments after ``(x, weight, target, bias)``."""
+        return cls(**dict(zip(_OP_FIELDS, args)))
+
+    @classmethod
+    def from_backward_op_args(cls, args) -> "LCEOptions":
+        """The options from the backward op's arguments after its eight tensors."""
+        return cls(**dict(zip(_BACKWARD_OP_FIELDS, args)))
+
+    def op_args(self) -> tuple:
+        """The op's arguments after ``(x, weight, target, bias)``, in its schema's order."""
+        return self._args(_OP_FIELDS)
+
+    def backward_op_args(self) -> tuple:
+        """The backward op's arguments after its eight tensors, in its schema's order."""
+        return self._args(_BACKWARD_OP_FIELDS)
+
+    def _args(self, names: tuple[str, ...]) -> tuple:
+        if self.filter_eps is None:
+            raise ValueError("linear_cross_entropy: filter_eps=None must be resolved for the inputs' dtype "
+                             "(LCEOptions.resolve) before the op is called")
+        return tuple(getattr(self, name) for name in names)
+
+    def resolve(self, dtype: torch.dtype) -> "LCEOptions":
+        """These options with ``filter_eps`` set (the default of ``dtype`` when it is None)."""
+        if self.filter_eps is not None:
+            return self
+        return dataclasses.replace(self, filter_eps=default_filter_eps(dtype))
+
+    def with_needs(self, need_dx: bool, need_dw: bool, need_db: bool) -> "LCEOptions":
+        """These options asking for the given gradients."""
+        return dataclasses.replace(self, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
+
+    def cost_model_args(self) -> dict:
+        """The keyword arguments of ``choose_strategy`` and ``fused_loss_pays`` for these options."""
+        return dict(reduction=self.reduction, backward=self.backward, deterministic=self.deterministic,
+                    memory_budget=None if self.memory_budget < 0 else self.memory_budget,
+                    filter_eps=self.filter_eps)
+
+    def forms_grads(self, hidden, has_bias: bool) -> tuple[bool, bool, bool]:
+        """Which of (dx, dw, db) the forward forms, for grad_output = 1: all asked for on the chunked
+        path; dx on the fused path when D fits one K step (and no label smoothing). Decided by the
+        options and shapes alone, so that the fake and the real op agree on the output shapes."""
+        if self.reduction == "none":
+            return False, False, False
+        if self.strategy == "chunked":
+            return self.need_dx, self.need_dw, self.need_db and has_bias
+        if self.strategy == "fused" and self.label_smoothing == 0.0 and hidden <= FORWARD_DX_MAX_D:
+            return self.need_dx, False, False
+        return False, False, False
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor checks (shared by the public function, the op and its fake)
+# ---------------------------------------------------------------------------------------------
 
 
 def _check_tensors(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -113,20 +218,6 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> 
         raise IndexError(f"Target {value} is out of bounds.") from None
 
 
-def _forms_grads(strategy: str, reduction: str, label_smoothing: float, hidden, need_dx: bool,
-                 need_dw: bool, need_db: bool, bias: Optional[torch.Tensor]) -> tuple[bool, bool, bool]:
-    """Which of (dx, dw, db) the forward forms, for grad_output = 1: all asked for on the chunked
-    path; dx on the fused path when D fits one K step (and no label smoothing). Decided by the
-    arguments alone, so that the fake and the real op agree on the output shapes."""
-    if reduction == "none":
-        return False, False, False
-    if strategy == "chunked":
-        return need_dx, need_dw, need_db and bias is not None
-    if strategy == "fused" and label_smoothing == 0.0 and hidden <= FORWARD_DX_MAX_D:
-        return need_dx, False, False
-    return False, False, False
-
-
 def _budget(memory_budget: int, n_tokens: int, vocab: int) -> int:
     return memory_budget if memory_budget >= 0 else default_memory_budget(n_tokens, vocab)
 
@@ -158,57 +249,57 @@ def _lce_op(
     filter_eps: float, deterministic: bool, impl: str, strategy: str = "auto", memory_budget: int = -1,
     need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss fp32, lse fp32 [N], softcapped target logit fp32 [N], dx, dw, db).
+    """(loss fp32, lse fp32 [N], softcapped target logit fp32 [N], dx, dw, db); the arguments after
+    the tensors are the fields of :class:`LCEOptions`, in order.
 
     With ``strategy="chunked"`` (and reduction "mean"/"sum") the gradients asked for by
     ``need_dx``/``need_dw``/``need_db`` are formed here, for ``grad_output = 1``; with "fused" and a
     small D (no label smoothing) dx is; the other outputs are empty and the backward recomputes.
     """
-    _check_options(reduction, backward, strategy, label_smoothing, softcap, memory_budget)
+    o = LCEOptions.from_op_args((softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
+                                 deterministic, impl, strategy, memory_budget, need_dx, need_dw, need_db))
     _check_tensors(x, weight, target, bias)
     N, V = x.shape[0], weight.shape[0]
     target = target.contiguous()
-    _check_target_range(target, V, ignore_index)
-    triton = use_triton(x, impl, op=OP) and N > 0
-    valid = target != ignore_index
-    budget = _budget(memory_budget, N, V)
+    _check_target_range(target, V, o.ignore_index)
+    triton = use_triton(x, o.impl, op=OP) and N > 0
+    valid = target != o.ignore_index
+    budget = _budget(o.memory_budget, N, V)
     dx = dw = db = None
-    forms = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
-    if strategy == "fused" and any(forms) and triton:
-        coefs = grad_coefs(None, None, valid, reduction, label_smoothing, V)
-        lse, tz, dx = forward_dx_small_d(x, weight, target, bias, softcap, coefs)
+    forms = o.forms_grads(x.shape[1], bias is not None)
+    if o.strategy == "fused" and any(forms) and triton:
+        coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
+        lse, tz, dx = forward_dx_small_d(x, weight, target, bias, o.softcap, coefs)
         nll = torch.where(valid, lse - tz, torch.zeros((), device=x.device, dtype=torch.float32))
         tz = torch.where(valid, tz, 0.0)
     elif any(forms):
-        coefs = grad_coefs(None, None, valid, reduction, label_smoothing, V)
+        coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         nll, lse, tz, dx, dw, db = chunked(
-            x, weight, target, bias, coefs, softcap, ignore_index, label_smoothing, budget, triton=triton,
+            x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing, budget, triton=triton,
             need_dx=forms[0], need_dw=forms[1], need_db=forms[2], phase="forward")
     elif triton:
-        lse, tz, zs = triton_forward(x, weight, target, bias, softcap, label_smoothing)
-        nll = lse - (1.0 - label_smoothing) * tz
+        lse, tz, zs = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing)
+        nll = lse - (1.0 - o.label_smoothing) * tz
         if zs is not None:
-            nll = nll - (label_smoothing / V) * zs
+            nll = nll - (o.label_smoothing / V) * zs
         nll = torch.where(valid, nll, torch.zeros((), device=x.device, dtype=torch.float32))
         tz = torch.where(valid, tz, 0.0)
     else:
-        nll, lse, tz, *_ = chunked(x, weight, target, bias, None, softcap, ignore_index, label_smoothing,
+        nll, lse, tz, *_ = chunked(x, weight, target, bias, None, o.softcap, o.ignore_index, o.label_smoothing,
                                    budget, triton=False, need_dx=False, need_dw=False, need_db=False,
                                    phase="forward")
-    return (_reduce(nll, valid, reduction), lse, tz, dx if dx is not None else x.new_empty((0,)),
+    return (_reduce(nll, valid, o.reduction), lse, tz, dx if dx is not None else x.new_empty((0,)),
             dw if dw is not None else weight.new_empty((0,)), db if db is not None else x.new_empty((0,)))
 
 
 @_lce_op.register_fake
-def _lce_fake(x, weight, target, bias, softcap, ignore_index, label_smoothing, reduction, backward,
-              filter_eps, deterministic, impl, strategy="auto", memory_budget=-1, need_dx=False,
-              need_dw=False, need_db=False):
-    _check_options(reduction, backward, strategy, label_smoothing, softcap, memory_budget)
+def _lce_fake(x, weight, target, bias, *options):
+    o = LCEOptions.from_op_args(options)
     _check_tensors(x, weight, target, bias)
     n = x.shape[0]
     f32 = dict(dtype=torch.float32)
-    fx, fw, fb = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
-    return (x.new_empty((n,) if reduction == "none" else (), **f32), x.new_empty((n,), **f32),
+    fx, fw, fb = o.forms_grads(x.shape[1], bias is not None)
+    return (x.new_empty((n,) if o.reduction == "none" else (), **f32), x.new_empty((n,), **f32),
             x.new_empty((n,), **f32), x.new_empty(x.shape if fx else (0,)),
             weight.new_empty(weight.shape if fw else (0,)),
             bias.new_empty(bias.shape) if fb else x.new_empty((0,)))
@@ -236,23 +327,28 @@ def _lce_backward_op(
     backward: str, filter_eps: float, deterministic: bool, impl: str,
     need_dx: bool, need_dw: bool, need_db: bool, strategy: str = "auto", memory_budget: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias) by recomputing the logits; an output that is not needed comes back empty."""
+    """(dx, dweight, dbias) by recomputing the logits; an output that is not needed comes back empty.
+    The arguments after the tensors are the fields of :class:`LCEOptions` in this schema's order
+    (:meth:`LCEOptions.backward_op_args`: the gradients to form before strategy and memory_budget)."""
+    o = LCEOptions.from_backward_op_args((softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
+                                          deterministic, impl, need_dx, need_dw, need_db, strategy, memory_budget))
     N, V = x.shape[0], weight.shape[0]
     target = target.contiguous()
-    need_db = need_db and bias is not None
-    valid = target != ignore_index
-    coefs = grad_coefs(grad_loss, grad_lse, valid, reduction, label_smoothing, V)
-    budget = _budget(memory_budget, N, V)
-    if use_triton(x, impl, op=OP) and N > 0:
+    need_db = o.need_db and bias is not None
+    valid = target != o.ignore_index
+    coefs = grad_coefs(grad_loss, grad_lse, valid, o.reduction, o.label_smoothing, V)
+    budget = _budget(o.memory_budget, N, V)
+    if use_triton(x, o.impl, op=OP) and N > 0:
         # With softcap and label smoothing the smoothing term sits in every tile: nothing to skip.
-        filtered = backward == "filtered" and filter_eps > 0.0 and not (label_smoothing > 0.0 and softcap > 0.0)
-        path = _recompute_path(strategy, x, deterministic, filtered)
-        dx, dw, db = recompute_backward(path, x, weight, target, bias, lse, tz, coefs, softcap,
-                                        label_smoothing, filter_eps if filtered else 0.0, budget,
-                                        need_dx, need_dw, need_db)
+        filtered = (o.backward == "filtered" and o.filter_eps > 0.0
+                    and not (o.label_smoothing > 0.0 and o.softcap > 0.0))
+        path = _recompute_path(o.strategy, x, o.deterministic, filtered)
+        dx, dw, db = recompute_backward(path, x, weight, target, bias, lse, tz, coefs, o.softcap,
+                                        o.label_smoothing, o.filter_eps if filtered else 0.0, budget,
+                                        o.need_dx, o.need_dw, need_db)
     else:
-        *_, dx, dw, db = chunked(x, weight, target, bias, coefs, softcap, ignore_index, label_smoothing,
-                                 budget, triton=False, need_dx=need_dx, need_dw=need_dw, need_db=need_db,
+        *_, dx, dw, db = chunked(x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing,
+                                 budget, triton=False, need_dx=o.need_dx, need_dw=o.need_dw, need_db=need_db,
                                  phase="backward")
     return (dx if dx is not None else x.new_empty((0,)),
             dw if dw is not None else weight.new_empty((0,)),
@@ -260,32 +356,30 @@ def _lce_backward_op(
 
 
 @_lce_backward_op.register_fake
-def _lce_backward_fake(grad_loss, grad_lse, x, weight, target, bias, lse, tz, softcap,
-                       ignore_index, label_smoothing, reduction, backward, filter_eps,
-                       deterministic, impl, need_dx, need_dw, need_db, strategy="auto", memory_budget=-1):
-    dx = x.new_empty(x.shape) if need_dx else x.new_empty((0,))
-    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty((0,))
-    db = bias.new_empty(bias.shape) if (need_db and bias is not None) else x.new_empty((0,))
+def _lce_backward_fake(grad_loss, grad_lse, x, weight, target, bias, lse, tz, *options):
+    o = LCEOptions.from_backward_op_args(options)
+    dx = x.new_empty(x.shape) if o.need_dx else x.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if o.need_dw else weight.new_empty((0,))
+    db = bias.new_empty(bias.shape) if (o.need_db and bias is not None) else x.new_empty((0,))
     return dx, dw, db
 
 
 def _setup_context(ctx, inputs, output):
-    (x, weight, target, bias, softcap, ignore_index, label_smoothing, reduction, backward,
-     filter_eps, deterministic, impl, strategy, memory_budget, need_dx, need_dw, need_db) = inputs
+    x, weight, target, bias, *options = inputs
+    o = LCEOptions.from_op_args(options)
     loss, lse, tz, dx, dw, db = output
     ctx.mark_non_differentiable(tz, dx, dw, db)
     ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
     ctx.save_for_backward(x, weight, target, bias, lse, tz, dx, dw, db)
-    ctx.params = (softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
-                  deterministic, impl)
-    ctx.strategy, ctx.memory_budget, ctx.loss_shape = strategy, memory_budget, loss.shape
-    ctx.formed = _forms_grads(strategy, reduction, label_smoothing, x.shape[1], need_dx, need_dw, need_db, bias)
+    ctx.options, ctx.loss_shape = o, loss.shape
+    ctx.formed = o.forms_grads(x.shape[1], bias is not None)
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
     x, weight, target, bias, lse, tz, dx_f, dw_f, db_f = ctx.saved_tensors
+    o: LCEOptions = ctx.options
     need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
-    none = (None,) * 13
+    none = (None,) * len(_OP_FIELDS)
     if grad_loss is None and grad_lse is None:
         return (None,) * 4 + none
     needed = (need_dx, need_dw, need_db)
@@ -294,18 +388,18 @@ def _backward(ctx, grad_loss, grad_lse, *unused):
         # buffer; a second backward through the same graph then fails autograd's version check
         # instead of seeing scaled values) and recompute the others.
         formed = [f and n for f, n in zip(ctx.formed, needed)]
-        _scale_op([g for g, f in zip((dx_f, dw_f, db_f), formed) if f], grad_loss, ctx.params[-1])
+        _scale_op([g for g, f in zip((dx_f, dw_f, db_f), formed) if f], grad_loss, o.impl)
         missing = [n and not f for f, n in zip(formed, needed)]
         out = [g if f else None for g, f in zip((dx_f, dw_f, db_f), formed)]
         if any(missing):
-            rec = _lce_backward_op(grad_loss, None, x, weight, target, bias, lse, tz, *ctx.params, *missing,
-                                   ctx.strategy, ctx.memory_budget)
-            out = [r if m else o for r, m, o in zip(rec, missing, out)]
+            rec = _lce_backward_op(grad_loss, None, x, weight, target, bias, lse, tz,
+                                   *o.with_needs(*missing).backward_op_args())
+            out = [r if m else o_ for r, m, o_ in zip(rec, missing, out)]
         return (out[0], out[1], None, out[2]) + none
     if grad_loss is None:
         grad_loss = lse.new_zeros(ctx.loss_shape)
-    dx, dw, db = _lce_backward_op(grad_loss, grad_lse, x, weight, target, bias, lse, tz, *ctx.params,
-                                  need_dx, need_dw, need_db, ctx.strategy, ctx.memory_budget)
+    dx, dw, db = _lce_backward_op(grad_loss, grad_lse, x, weight, target, bias, lse, tz,
+                                  *o.with_needs(need_dx, need_dw, need_db).backward_op_args())
     return (dx if need_dx else None, dw if need_dw else None, None, db if need_db else None) + none
 
 
@@ -323,6 +417,21 @@ def _scale_fake(grads, scale, impl):
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _option_names(op, tensors: int) -> tuple[str, ...]:
+    """The names of ``op``'s arguments after its first ``tensors``: exactly the fields of LCEOptions."""
+    names = tuple(arg.name for arg in op._schema.arguments[tensors:])
+    fields = {f.name for f in dataclasses.fields(LCEOptions)}
+    if set(names) != fields or len(names) != len(fields):
+        raise AssertionError(f"{op}: arguments {names} are not the fields of LCEOptions {sorted(fields)}")
+    return names
+
+
+# Each op's option arguments in schema order: read from the registered schemas, so that LCEOptions
+# and the ops cannot disagree on an order.
+_OP_FIELDS = _option_names(torch.ops.comera.linear_cross_entropy.default, 4)
+_BACKWARD_OP_FIELDS = _option_names(torch.ops.comera.linear_cross_entropy_backward.default, 8)
 
 
 def linear_cross_entropy(
@@ -361,19 +470,16 @@ def linear_cross_entropy(
     * ``impl``: "auto" (Triton on CUDA tensors, or under TRITON_INTERPRET=1 with
       COMERA_FORCE_TRITON=1; else the torch reference), "triton", "torch".
     """
-    softcap = float(softcap or 0.0)
-    budget = -1 if memory_budget is None else int(memory_budget)
-    _check_options(reduction, backward, strategy, label_smoothing, softcap, budget)
+    options = LCEOptions(softcap=softcap, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                         reduction=reduction, backward=backward, filter_eps=filter_eps,
+                         deterministic=deterministic, impl=impl, strategy=strategy, memory_budget=memory_budget)
     _check_tensors(x, weight, target, bias)
-    if filter_eps is None:
-        filter_eps = default_filter_eps(x.dtype)
+    options = options.resolve(x.dtype)
     grad = torch.is_grad_enabled()
     need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    if strategy == "auto" and any(need) and isinstance(x.shape[0], int):
-        strategy = choose_strategy(x.shape[0], x.shape[1], weight.shape[0], x.dtype, reduction=reduction,
-                                   backward=backward, deterministic=deterministic,
-                                   memory_budget=memory_budget, filter_eps=filter_eps, lse_grad=return_lse)
-    loss, lse, *_ = torch.ops.comera.linear_cross_entropy(
-        x, weight, target, bias, softcap, int(ignore_index), float(label_smoothing), reduction,
-        backward, float(filter_eps), bool(deterministic), impl, strategy, budget, *need)
+    if options.strategy == "auto" and any(need) and isinstance(x.shape[0], int):
+        options = dataclasses.replace(options, strategy=choose_strategy(
+            x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse, **options.cost_model_args()))
+    options = options.with_needs(*need)
+    loss, lse, *_ = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())
     return (loss, lse) if return_lse else loss

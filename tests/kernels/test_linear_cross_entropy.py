@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from comera_compile.kernels.linear_cross_entropy import (
     CCETuning,
+    LCEOptions,
     cce_tuning,
     choose_strategy,
     fused_loss_pays,
@@ -407,6 +408,49 @@ def test_argument_errors():
         linear_cross_entropy(x, w[:, :3], t)
     with pytest.raises(RuntimeError, match="dtype"):
         linear_cross_entropy(x, w.double(), t)
+
+
+def test_options_are_checked_once_with_the_valid_values():
+    with pytest.raises(ValueError, match=r"impl='cuda'; valid values: \['auto', 'triton', 'torch'\]"):
+        LCEOptions(impl="cuda")
+    with pytest.raises(ValueError, match=r"reduction='avg'; valid values: \['mean', 'sum', 'none'\]"):
+        LCEOptions(reduction="avg")
+    for bad, name in ((dict(softcap=-1.0), "softcap"), (dict(label_smoothing=1.5), "label_smoothing"),
+                      (dict(filter_eps=-1e-3), "filter_eps"), (dict(filter_eps=float("nan")), "filter_eps"),
+                      (dict(memory_budget=-2), "memory_budget")):
+        with pytest.raises(ValueError, match=name):
+            LCEOptions(**bad)
+    x, w, b, t = _inputs()
+    with pytest.raises(ValueError, match="filter_eps"):
+        linear_cross_entropy(x, w, t, filter_eps=-1.0)
+    # stored in the op's types: None stands for the defaults
+    o = LCEOptions(softcap=None, ignore_index=7.0, label_smoothing=0, memory_budget=None, deterministic=1)
+    assert (o.softcap, o.ignore_index, o.label_smoothing, o.memory_budget, o.deterministic) == (0.0, 7, 0.0, -1, True)
+    assert type(o.softcap) is float and type(o.ignore_index) is int and type(o.deterministic) is bool
+    with pytest.raises(ValueError, match="resolve"):
+        o.op_args()  # filter_eps=None has no value until the dtype is known
+    assert o.resolve(torch.bfloat16).filter_eps == 2.0**-12 and o.resolve(torch.float32).filter_eps == 2.0**-28
+
+
+def test_options_match_the_op_schemas():
+    """The ops' arguments after their tensors are LCEOptions' fields (read from the registered
+    schemas), and the options survive the round trip through either op's argument tuple."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(LCEOptions)}
+    for op, tensors in ((torch.ops.comera.linear_cross_entropy.default, 4),
+                        (torch.ops.comera.linear_cross_entropy_backward.default, 8)):
+        args = op._schema.arguments
+        assert all("Tensor" in str(a.type) for a in args[:tensors])
+        assert {a.name for a in args[tensors:]} == fields and len(args) - tensors == len(fields)
+    o = LCEOptions(softcap=3.0, ignore_index=5, label_smoothing=0.1, reduction="sum", backward="exact",
+                   filter_eps=1e-3, deterministic=True, impl="torch", strategy="static", memory_budget=1 << 20,
+                   need_dx=True, need_db=True)
+    assert LCEOptions.from_op_args(o.op_args()) == o
+    assert LCEOptions.from_backward_op_args(o.backward_op_args()) == o
+    forward = torch.ops.comera.linear_cross_entropy.default._schema.arguments[4:]
+    assert [a.name for a in forward] == [f.name for f in dataclasses.fields(LCEOptions)]
+    assert o.op_args()[[a.name for a in forward].index("strategy")] == "static"
 
 
 def test_target_rows_must_match_like_eager():
