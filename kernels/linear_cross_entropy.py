@@ -47,9 +47,11 @@ from .linear_cross_entropy_plan import (
     STRATEGIES,
     CCEStats,
     CCETuning,
+    FusedLossDecision,
     cce_tuning,
     choose_strategy,
     current_tuning,
+    decide_fused_loss,
     default_filter_eps,
     default_memory_budget,
     fused_loss_pays,
@@ -57,8 +59,8 @@ from .linear_cross_entropy_plan import (
 )
 
 __all__ = [
-    "CCEStats", "CCETuning", "LCEOptions", "cce_tuning", "choose_strategy", "default_filter_eps",
-    "fused_loss_pays", "linear_cross_entropy", "record_cce_stats",
+    "CCEStats", "CCETuning", "FusedLossDecision", "LCEOptions", "cce_tuning", "choose_strategy",
+    "decide_fused_loss", "default_filter_eps", "fused_loss_pays", "linear_cross_entropy", "record_cce_stats",
 ]
 
 OP = "comera::linear_cross_entropy"

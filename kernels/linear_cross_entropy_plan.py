@@ -21,7 +21,8 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
 
 ``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of
 :class:`DeviceRates`); ``fused_loss_pays`` says whether the best path is expected to beat the
-unfused ``linear`` + ``cross_entropy`` under Inductor.
+unfused ``linear`` + ``cross_entropy`` under Inductor; ``decide_fused_loss`` gives both answers
+for one head from one run of the model (a :class:`FusedLossDecision`, what the cce pass uses).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ import torch
 
 __all__ = [
     "BACKWARDS", "FORWARD_DX_MAX_D", "PATHS", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning",
-    "DeviceRates", "H200",
-    "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "default_filter_eps",
+    "DeviceRates", "FusedLossDecision", "H200",
+    "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "decide_fused_loss", "default_filter_eps",
     "default_memory_budget", "estimate_seconds", "fused_loss_pays", "record", "record_cce_stats",
 ]
 
@@ -369,6 +370,46 @@ def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
     return min(allowed, key=allowed.get)
 
 
+@dataclass(frozen=True)
+class FusedLossDecision:
+    """What the cost model says about fusing one LM head, formed once per head.
+
+    ``pays``: the fused loss is not expected to make the step slower than the unfused ``linear`` +
+    ``cross_entropy`` under Inductor; else ``reason`` says why (the two estimates). ``strategy``:
+    the op's ``strategy`` argument: in training the fastest path that applies, otherwise "auto"
+    (the op picks at run time).
+    """
+
+    pays: bool
+    reason: str = ""
+    strategy: str = "auto"
+
+
+def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
+                      reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
+                      memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
+                      capture: bool = False, training: bool = True, upcast: bool = False,
+                      rates: DeviceRates = H200) -> FusedLossDecision:
+    """:func:`fused_loss_pays` and, in training, :func:`choose_strategy`'s path, from one run of
+    the cost model (:func:`estimate_seconds`; the same rule on every device: small vocabularies
+    lose on launches, mid-size hidden sizes with flat logits lose on the recompute, large heads
+    with a budget for big chunks or a filter that skips tiles pay)."""
+    costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
+                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
+                             training=training, upcast=upcast)
+    allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
+                       capture=capture, lse_grad=False)
+    best = min(allowed, key=allowed.get)
+    strategy = best if training else "auto"
+    if allowed[best] <= costs["unfused"]:
+        return FusedLossDecision(True, "", strategy)
+    return FusedLossDecision(False, (
+        f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
+        f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy"
+        f"{' (fp32 upcast)' if upcast else ''} under Inductor "
+        f"(N={n_tokens}, D={hidden}, V={vocab}, {str(dtype).replace('torch.', '')})"), strategy)
+
+
 def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device_type: str,
                     *, reduction: str = "mean", backward: str = "filtered",
                     deterministic: bool = False, memory_budget: Optional[int] = None,
@@ -376,22 +417,11 @@ def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
                     training: bool = True, upcast: bool = False,
                     rates: DeviceRates = H200) -> tuple[bool, str]:
     """Whether the fused loss is not expected to make the step slower than the unfused
-    ``linear`` + ``cross_entropy`` under Inductor; ``(False, reason)`` when it is.
-
-    The estimate is the cost model's (:func:`estimate_seconds`), the same rule on every device:
-    small vocabularies lose on launches, mid-size hidden sizes with flat logits lose on the
-    recompute, large heads with a budget for big chunks or a filter that skips tiles pay.
-    """
+    ``linear`` + ``cross_entropy`` under Inductor; ``(False, reason)`` when it is (see
+    :func:`decide_fused_loss`, which also gives the path)."""
     del device_type  # one rule for every device: the one the GPU run measured
-    costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
-                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
-                             training=training, upcast=upcast)
-    allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
-                       capture=capture, lse_grad=False)
-    best = min(allowed, key=allowed.get)
-    if allowed[best] <= costs["unfused"]:
-        return True, ""
-    return False, (f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
-                   f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy"
-                   f"{' (fp32 upcast)' if upcast else ''} under Inductor "
-                   f"(N={n_tokens}, D={hidden}, V={vocab}, {str(dtype).replace('torch.', '')})")
+    decision = decide_fused_loss(n_tokens, hidden, vocab, dtype, reduction=reduction, backward=backward,
+                                 deterministic=deterministic, memory_budget=memory_budget,
+                                 filter_eps=filter_eps, capture=capture, training=training, upcast=upcast,
+                                 rates=rates)
+    return decision.pays, decision.reason

@@ -25,12 +25,14 @@ naming the write: eager computed the logits before it.
 Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
 fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
 and ``explain`` shows the argument or node that blocked it. So does the cost rule
-(``kernels.linear_cross_entropy.fused_loss_pays``) for heads whose fused loss cannot pay, unless the
-``cce_min_vocab`` option sets the threshold instead.
+(``kernels.linear_cross_entropy.decide_fused_loss``) for heads whose fused loss cannot pay, unless the
+``cce_min_vocab`` option sets the threshold instead. The rule runs once per head: its decision (whether
+fusing pays, and the op's path) serves the rewrite and the detail ``explain`` shows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -48,6 +50,11 @@ from comera_compile.fx_utils import (
     fake_node,
     module_name,
     size_hint,
+)
+from comera_compile.kernels.linear_cross_entropy import (  # defines the op
+    FusedLossDecision,
+    LCEOptions,
+    decide_fused_loss,
 )
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
@@ -596,9 +603,46 @@ def _projection_dtype(head: _Head) -> torch.dtype:
     return fake(head.proj.node).dtype if head.proj.node is not head.loss else fake(head.proj.h).dtype
 
 
-def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
-    from comera_compile.kernels.linear_cross_entropy import default_filter_eps
+def _options(head: _Head, ctx: PassContext) -> LCEOptions:
+    """The fused op's options for this head (its path and gradients are set by the build)."""
+    opts = ctx.options
+    try:
+        options = LCEOptions(softcap=head.values.softcap, ignore_index=head.ignore_index,
+                             label_smoothing=head.label_smoothing, reduction=head.reduction,
+                             backward=opts.cce_backward, filter_eps=opts.cce_filter_eps,
+                             deterministic=opts.cce_deterministic, memory_budget=opts.cce_memory_budget)
+    except (TypeError, ValueError) as exc:
+        raise _Skip(f"the fused op does not take the loss's arguments: {exc}") from exc
+    return options.resolve(_projection_dtype(head))
 
+
+def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDecision:
+    """Whether fusing this head pays and the op's path, decided once (the build and explain's detail
+    read it). Pays: by the user's ``cce_min_vocab`` when set, else by the op's cost rule. The path:
+    the user's ``cce_strategy`` when pinned; else, in training, the cost model's; inference lets the
+    op decide ("auto")."""
+    opts = ctx.options
+    vocab = head.proj.vocab()
+    if not isinstance(vocab, int):
+        return FusedLossDecision(True, "", opts.cce_strategy)
+    threshold, pinned = opts.cce_min_vocab, opts.cce_strategy != "auto"
+    decision = FusedLossDecision(True)
+    if threshold is None or (ctx.training and not pinned):
+        n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
+        decision = decide_fused_loss(n_tokens, size_hint(fake(head.proj.h).shape[-1]), vocab,
+                                     _projection_dtype(head), capture=ctx.cudagraphs(), training=ctx.training,
+                                     upcast=head.values.upcast, **options.cost_model_args())
+    if threshold is not None:
+        pays = vocab >= threshold
+        decision = dataclasses.replace(decision, pays=pays,
+                                       reason="" if pays else f"vocabulary {vocab} < cce_min_vocab={threshold}")
+    if pinned:
+        decision = dataclasses.replace(decision, strategy=opts.cce_strategy)
+    return decision
+
+
+def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
+           decision: FusedLossDecision) -> fx.Node:
     proj, vals = head.proj, head.values
     dtype = _projection_dtype(head)
     operands = [t for t in (proj.h, proj.weight, proj.bias) if t is not None]
@@ -623,14 +667,9 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
     chain_bias_fp32 = vals.bias is not None and vals.bias is not proj.bias and fake(vals.bias).dtype == torch.float32
     if b is not None and fake(b).dtype != dtype and not chain_bias_fp32:
         b = emit.method("to", b, dtype)
-    opts = ctx.options
-    eps = opts.cce_filter_eps if opts.cce_filter_eps is not None else default_filter_eps(dtype)
     needs = [ctx.training and isinstance(fake(t), torch.Tensor) and fake(t).requires_grad for t in (h, w, b)]
-    fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b,
-                          float(vals.softcap), int(head.ignore_index), float(head.label_smoothing),
-                          head.reduction, opts.cce_backward, float(eps), bool(opts.cce_deterministic), "auto",
-                          _strategy(head, ctx, dtype, eps), -1 if opts.cce_memory_budget is None
-                          else int(opts.cce_memory_budget), *needs)
+    call = dataclasses.replace(options.with_needs(*needs), strategy=decision.strategy)
+    fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b, *call.op_args())
     loss = emit.function(operator.getitem, fused, 0)
     expected = fake(head.loss)
     if expected.dtype != torch.float32:
@@ -638,52 +677,14 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext) -> fx.Node:
     return loss
 
 
-def _cost_args(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float | None) -> tuple[tuple, dict]:
-    fh = fake(head.proj.h)
-    n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
-    opts = ctx.options
-    return (n_tokens, size_hint(fh.shape[-1]), head.proj.vocab(), dtype), dict(
-        reduction=head.reduction, backward=opts.cce_backward, deterministic=opts.cce_deterministic,
-        memory_budget=opts.cce_memory_budget, filter_eps=eps, capture=ctx.cudagraphs())
-
-
-def _strategy(head: _Head, ctx: PassContext, dtype: torch.dtype, eps: float) -> str:
-    """The op's path for this head: the user's ``cce_strategy`` when pinned; else, in training,
-    by the op's cost model; inference lets the op decide."""
-    from comera_compile.kernels.linear_cross_entropy import choose_strategy
-
-    if ctx.options.cce_strategy != "auto":
-        return ctx.options.cce_strategy
-    if not ctx.training or not isinstance(head.proj.vocab(), int):
-        return "auto"
-    args, kwargs = _cost_args(head, ctx, dtype, eps)
-    return choose_strategy(*args, **kwargs)
-
-
-def _pays(head: _Head, ctx: PassContext) -> str | None:
-    """Why fusing this head does not pay (``None``: it does): the user's ``cce_min_vocab``, or the op's cost rule."""
-    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
-
-    vocab = head.proj.vocab()
-    if not isinstance(vocab, int):
-        return None
-    threshold = ctx.options.cce_min_vocab
-    if threshold is not None:
-        return None if vocab >= threshold else f"vocabulary {vocab} < cce_min_vocab={threshold}"
-    args, kwargs = _cost_args(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)
-    ok, reason = fused_loss_pays(*args, fake(head.proj.h).device.type, training=ctx.training,
-                                 upcast=head.values.upcast, **kwargs)
-    return None if ok else reason
-
-
-def _detail(head: _Head, ctx: PassContext) -> str:
+def _detail(head: _Head, ctx: PassContext, decision: FusedLossDecision) -> str:
     vals, fh = head.values, fake(head.proj.h)
     rows = " > ".join(m for m, _ in head.rows) or "all"
     return (f"{head.pattern}: D={fh.shape[-1]}, V={head.proj.vocab()}, reduction={head.reduction}, "
             f"ignore_index={head.ignore_index}, label_smoothing={head.label_smoothing}, "
             f"softcap={vals.softcap or 'none'}, scale={vals.scale:g}, bias={'yes' if vals.bias is not None else 'no'}, "
             f"rows={rows}, upcast={'yes' if vals.upcast else 'no'}, backward={ctx.options.cce_backward}, "
-            f"path={_strategy(head, ctx, _projection_dtype(head), ctx.options.cce_filter_eps)}")
+            f"path={decision.strategy}")
 
 
 def _check_no_write(head: _Head) -> None:
@@ -702,8 +703,6 @@ def _check_no_write(head: _Head) -> None:
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
     """Match, check and commit one candidate loss; records the rewrite or the reason it was left alone."""
-    import comera_compile.kernels.linear_cross_entropy  # noqa: F401  (defines the op)
-
     emit = _Emitter(gm.graph, node)
     where = module_name(node)
     try:
@@ -712,15 +711,16 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
             return False
         where = module_name(head.proj.node) or where
         _check_no_write(head)
-        reason = _pays(head, ctx)
-        if reason is not None:
-            raise _Skip(reason)
-        checked_replace(node, _build(emit, head, ctx), erase=head.chain)
+        options = _options(head, ctx)
+        decision = _decide(head, ctx, options)
+        if not decision.pays:
+            raise _Skip(decision.reason)
+        checked_replace(node, _build(emit, head, ctx, options, decision), erase=head.chain)
     except (_Skip, RewriteRejected) as reason:
         emit.discard()
         ctx.skip(KIND, str(reason), where)
         return False
-    ctx.rewrite(KIND, where, _detail(head, ctx))
+    ctx.rewrite(KIND, where, _detail(head, ctx, decision))
     return True
 
 

@@ -210,6 +210,26 @@ def test_pinned_strategy_reaches_the_op_and_matches_eager(strategy):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("options, rewrites", [({"cce_min_vocab": 0}, 1), ({"cce_min_vocab": None}, 0),
+                                              ({"cce_min_vocab": 0, "cce_strategy": "static"}, 1)])
+def test_the_cost_model_runs_once_per_head(monkeypatch, options, rewrites):
+    """One decision per head (whether fusing pays, the op's path): the build and the detail explain
+    shows read it; the cost model is not run again for each."""
+    import comera_compile.kernels.linear_cross_entropy_plan as plan
+
+    runs = []
+    estimate = plan.estimate_seconds
+    monkeypatch.setattr(plan, "estimate_seconds", lambda *a, **k: runs.append(a) or estimate(*a, **k))
+    x, y = _inputs(8)
+    report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", **options})
+    assert len(report.rewrites) == rewrites and len(report.rewrites) + len(_cce_skips(report)) == 1
+    pinned = options.get("cce_strategy", "auto") != "auto"
+    assert len(runs) == (0 if pinned else 1), runs  # a pinned path with cce_min_vocab needs no estimate
+    if rewrites:
+        path = options.get("cce_strategy") or plan.choose_strategy(*runs[0][:4])
+        assert f"path={path}" in str(report) and f"'{path}'" in report.graphs[0].code
+
+
 def test_bad_strategy_option_names_the_choices():
     from comera_compile.options import OptionsError
 
