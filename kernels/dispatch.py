@@ -5,10 +5,14 @@
   ``impl="auto"`` for CUDA tensors of a Triton dtype (fp16, bf16, fp32), and under the
   interpreter only when ``COMERA_FORCE_TRITON=1`` asks for it (the interpreter is slow: CPU runs
   take the torch reference unless a test wants the kernels).
-* ``dot_precision(dtype)``: the ``tl.dot`` precision that matches what torch does for the same
-  product: fp32 inputs use TF32 exactly when ``torch.backends.cuda.matmul.allow_tf32`` is set
-  (``torch.set_float32_matmul_precision("high")``), otherwise IEEE fp32; fp16/bf16 inputs are
-  multiplied in their own type with fp32 accumulation (the argument does not apply to them).
+* ``dot_precision(dtype)``: the one precision rule of the kernels: every ``tl.dot`` takes
+  ``input_precision=dot_precision(dtype)`` for the op's inputs of ``dtype`` (a dot without the
+  argument would run fp32 operands in TF32 whatever torch is set to). It matches what torch does
+  for the same product: fp32 inputs use TF32 exactly when ``torch.backends.cuda.matmul.allow_tf32``
+  is set (``torch.set_float32_matmul_precision("high")``), otherwise IEEE fp32. fp16/bf16 inputs
+  are multiplied in their own type with fp32 accumulation (the argument does not apply); a dot of
+  fp32 operands formed from them (the one-hot term of the sparse dW) runs in TF32, which holds
+  fp16 and bf16 values exactly.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def use_triton(t: torch.Tensor, impl: str = "auto", *, op: str = "comera op") ->
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s ``input_precision`` for inputs of ``dtype`` (see the module doc)."""
+    """``tl.dot``'s ``input_precision`` for an op's inputs of ``dtype``: "ieee" for fp32 unless torch
+    allows TF32 for fp32 matmuls, else "tf32" (see the module doc)."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
     return "tf32"

@@ -19,6 +19,9 @@ In the tile kernels ``TCoef`` already includes ``softcap'`` at the target.
   written by a library GEMM, into the loss and (in place) the gradient of those rows;
   ``scale_kernel`` scales them by ``grad_output`` in the backward.
 
+Every ``tl.dot`` takes ``input_precision=DOT_PRECISION``, which the host sets by the one rule of
+``dispatch.dot_precision`` (IEEE fp32 for fp32 inputs unless torch allows TF32).
+
 Triton is optional: without it this module defines nothing and the op runs its torch reference.
 """
 
@@ -318,6 +321,7 @@ if HAS_TRITON:
         N, V, D, swv, swd, sdn, sdd, vb_start, tgt_lo, tgt_hi,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_ORDER: tl.constexpr, SMOOTH_TERMS: tl.constexpr, LOAD_PREV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         """dX[token block, D chunk] (+)= sum over kept tiles G @ W[cols], minus the one-hot term of
         the targets whose visiting position is in [tgt_lo, tgt_hi) (and the smoothing term)."""
@@ -346,7 +350,7 @@ if HAS_TRITON:
                         + offs_bm[:, None] * BLOCK_N + offs_bn[None, :])
             w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
                         mask=mask_d[None, :], other=0.0)
-            acc = tl.dot(g, w.to(g.dtype), acc)
+            acc = tl.dot(g, w.to(g.dtype), acc, input_precision=DOT_PRECISION)
         tp = tl.load(TPos + rows, mask=mask_m, other=-1)
         tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
         hit = (tp >= tgt_lo) & (tp < tgt_hi) & (tc != 0.0) & mask_m
@@ -370,7 +374,7 @@ if HAS_TRITON:
         XSmooth, BSmooth, DW, DB, N, V, D, sxn, sxd, sdv, sdd, sdb, vb_start,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
         HAS_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SMOOTH_VEC: tl.constexpr,
-        HAS_DW: tl.constexpr, TGT_PRECISION: tl.constexpr,
+        HAS_DW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         """dW[vocab block, D chunk] = sum over kept tiles G.T @ x[rows] (+ target, smoothing terms)."""
         vbl = tl.program_id(0)
@@ -402,7 +406,7 @@ if HAS_TRITON:
                 if HAS_DW:
                     xr = tl.load(X + rows[:, None] * sxn + offs_d[None, :] * sxd,
                                  mask=mask_d[None, :], other=0.0)
-                    acc = tl.dot(tl.trans(g), xr.to(g.dtype), acc)
+                    acc = tl.dot(tl.trans(g), xr.to(g.dtype), acc, input_precision=DOT_PRECISION)
                 if HAS_BIAS:
                     bacc += tl.load(GCol + slot.to(tl.int64) * BLOCK_N + offs_bn)
         # one-hot term: rows of W hit by a target get -tcoef * x of those tokens
@@ -419,7 +423,7 @@ if HAS_TRITON:
             if HAS_DW:
                 xt = tl.load(X + tok[:, None] * sxn + offs_d[None, :] * sxd,
                              mask=tmask[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                acc = tl.dot(onehot, xt, acc, input_precision=TGT_PRECISION)
+                acc = tl.dot(onehot, xt, acc, input_precision=DOT_PRECISION)
             if HAS_BIAS:
                 bacc += tl.sum(onehot, 1)
         if HAS_SMOOTH_VEC:

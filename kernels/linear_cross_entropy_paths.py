@@ -427,7 +427,8 @@ class _SparseRounds:
             self.tok_ptr = torch.searchsorted(self.tok_pos, torch.arange(self.nvb + 1, **self.i32) * self.BN
                                               ).to(torch.int32)
         self.cons = dict(BLOCK_M=self.BM, BLOCK_N=self.BN, BLOCK_D=self.BD, HAS_ORDER=True,
-                         num_warps=cfg.cons_warps, num_stages=cfg.cons_stages)
+                         DOT_PRECISION=dot_precision(bw.x.dtype), num_warps=cfg.cons_warps,
+                         num_stages=cfg.cons_stages)
 
     def keep_tiles(self, vb_start: int) -> tuple[int, int, torch.Tensor]:
         """Recompute the tiles from vocabulary block ``vb_start`` on, keep those above the filter
@@ -480,7 +481,7 @@ class _SparseRounds:
             dw.stride(0) if dw is not None else 0, dw.stride(1) if dw is not None else 0,
             db.stride(0) if db is not None else 0, vb_start,
             BLOCK_T=self.cfg.tgt_block, HAS_BIAS=bw.need_db, HAS_SMOOTH_VEC=bw.smooth_vec, HAS_DW=bw.need_dw,
-            TGT_PRECISION="ieee" if bw.x.dtype == torch.float32 else "tf32", **self.cons)
+            **self.cons)
 
 
 def _sparse(bw: _Backward) -> None:

@@ -1,6 +1,7 @@
 """GPU-only checks of comera::linear_cross_entropy (skipped on CPU CI): every path in bf16 against
-float64, replay inside a CUDA graph, and a compiled model under mode="reduce-overhead" whose graph
-keeps the fused loss inside CUDA graphs."""
+float64, every path in fp32 at IEEE precision unless torch allows TF32 (the interpreter on the CPU
+has no TF32), replay inside a CUDA graph, and a compiled model under mode="reduce-overhead" whose
+graph keeps the fused loss inside CUDA graphs."""
 
 import pytest
 import torch
@@ -13,10 +14,10 @@ from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy, re
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _inputs(n, d, v, transposed=False, seed=0):
+def _inputs(n, d, v, transposed=False, seed=0, dtype=torch.bfloat16):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, d, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).bfloat16()
+    x = torch.randn(n, d, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).to(dtype)
     if transposed:  # a tensor-train head's factor R^T: a strided [V, r] view
         w = w.t().contiguous().t()
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
@@ -56,6 +57,46 @@ def test_every_path_bf16_against_float64(n, d, v, transposed, strategy, backward
     assert _rel(out[0], ref64[0]) < 1e-3
     for got, eager, exact in zip(out[1:], ref[1:], ref64[1:]):
         assert _rel(got, exact) < max(tol, 2 * _rel(eager, exact)), (_rel(got, exact), _rel(eager, exact))
+
+
+@pytest.fixture
+def tf32(request):
+    """``torch.backends.cuda.matmul.allow_tf32`` set to the test's parameter, restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = request.param
+    yield request.param
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("tf32", [False], indirect=True)
+@pytest.mark.parametrize("n, d, v, transposed", SHAPES)
+@pytest.mark.parametrize("strategy", ["auto", "sparse", "static", "chunked", "fused"])
+def test_every_path_fp32_is_ieee_unless_torch_allows_tf32(tf32, n, d, v, transposed, strategy):
+    """fp32 inputs with TF32 off (torch's default) against float64 at 1e-5: every product of every
+    path, library GEMM or tl.dot, runs in IEEE fp32 (a dot in TF32 rounds its operands to 10 bits,
+    about 1e-4 relative here). ``filter_eps`` below any softmax value: the sparse rounds run (their
+    dX and dW kernels) and drop nothing."""
+    x, w, t = _inputs(n, d, v, transposed, dtype=torch.float32)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with record_cce_stats() as stats:
+        out = _step(lambda a, b, c: linear_cross_entropy(a, b, c, strategy=strategy, filter_eps=1e-30), xr, wr, t)
+    if strategy == "sparse":
+        assert any(s.path == "sparse" and s.sparse_rounds > 0 for s in stats), stats
+    for name, got, exact in zip(("loss", "dx", "dw"), out, _ref64(x, w, t)):
+        assert _rel(got, exact) < 1e-5, (name, _rel(got, exact))
+
+
+@pytest.mark.parametrize("tf32", [True], indirect=True)
+@pytest.mark.parametrize("strategy", ["sparse", "static", "fused"])
+def test_fp32_takes_tf32_when_torch_allows_it(tf32, strategy):
+    """The other side of the rule (and the check that 1e-5 above sees TF32): with
+    ``allow_tf32`` the kernels' products are TF32 and the gradients miss float64 by more."""
+    n, d, v, transposed = SHAPES[0]
+    x, w, t = _inputs(n, d, v, transposed, dtype=torch.float32)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = _step(lambda a, b, c: linear_cross_entropy(a, b, c, strategy=strategy, filter_eps=1e-30), xr, wr, t)
+    errors = [_rel(got, exact) for got, exact in zip(out[1:], _ref64(x, w, t)[1:])]
+    assert max(errors) > 1e-5 and max(errors) < 1e-2, errors
 
 
 @pytest.mark.parametrize("n, d, v, transposed", SHAPES)

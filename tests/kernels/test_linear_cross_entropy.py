@@ -453,6 +453,47 @@ def test_options_match_the_op_schemas():
     assert o.op_args()[[a.name for a in forward].index("strategy")] == "static"
 
 
+def _source(module) -> str:
+    import pathlib
+
+    return pathlib.Path(module.__file__).read_text()
+
+
+def test_every_dot_passes_the_one_precision_rule():
+    """Every ``tl.dot`` in the kernels passes ``input_precision=DOT_PRECISION`` (without it fp32
+    operands run in TF32 whatever torch is set to: about 1e-3 relative error, which the interpreter
+    on the CPU does not show); every jitted function with a dot takes DOT_PRECISION, and the host sets
+    it from ``dispatch.dot_precision`` only: no precision literal elsewhere."""
+    import ast
+
+    from comera_compile.kernels import linear_cross_entropy_kernels as kernels
+    from comera_compile.kernels import linear_cross_entropy_paths as paths
+
+    tree = ast.parse(_source(kernels))
+    dots = 0
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "dot" and isinstance(n.func.value, ast.Name) and n.func.value.id == "tl"]
+        if calls:
+            assert "DOT_PRECISION" in [a.arg for a in fn.args.args], fn.name
+        for call in calls:
+            precision = [k.value for k in call.keywords if k.arg == "input_precision"]
+            assert len(precision) == 1 and isinstance(precision[0], ast.Name) and precision[0].id == "DOT_PRECISION", (
+                fn.name, call.lineno, ast.unparse(call))
+        dots += len(calls)
+    assert dots == _source(kernels).count("tl.dot(") >= 13
+    host = ast.parse(_source(paths))
+    set_at = [k for k in ast.walk(host) if isinstance(k, ast.keyword) and k.arg == "DOT_PRECISION"]
+    assert set_at and all(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "dot_precision"
+                          for k in set_at), [ast.unparse(k) for k in set_at]
+    for module in (kernels, paths):
+        literals = [n.value for n in ast.walk(ast.parse(_source(module)))
+                    if isinstance(n, ast.Constant) and n.value in ("ieee", "tf32", "tf32x3")]
+        assert literals == [], (module.__name__, literals)
+
+
 def test_target_rows_must_match_like_eager():
     """The raw op (what the cce pass calls) checks target.numel() == rows, the way eager does."""
     x, w, b, t = _inputs()
