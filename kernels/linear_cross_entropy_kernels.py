@@ -27,20 +27,35 @@ Triton is optional: without it this module defines nothing and the op runs its t
 
 from __future__ import annotations
 
-try:  # Triton is optional on CPU-only installs.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
+from .dispatch import HAS_TRITON
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def stable_tanh(u):
         """tanh as 1 - 2 / (exp(2u) + 1): saturates to +-1 without inf/inf."""
         return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+    @triton.jit
+    def block_range(block, n, BLOCK: tl.constexpr):
+        """(offsets, offsets < n, the offsets as int64 with 0 past n) of block ``block`` of BLOCK."""
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        return offs, mask, tl.where(mask, offs, 0).to(tl.int64)
+
+    @triton.jit
+    def vocab_cols(pos, V, Order, HAS_ORDER: tl.constexpr):
+        """(pos < V, the vocabulary ids at visiting positions pos as int64): Order[pos] with
+        HAS_ORDER, else pos itself; position 0 past V."""
+        mask = pos < V
+        safe = tl.where(mask, pos, 0)
+        if HAS_ORDER:
+            cols = tl.load(Order + safe).to(tl.int64)
+        else:
+            cols = safe.to(tl.int64)
+        return mask, cols
 
     @triton.jit
     def logits_tile(
@@ -106,9 +121,7 @@ if HAS_TRITON:
         r = pid % per_group
         pid_m = first_m + r % gsize
         pid_s = r // gsize
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(pid_m, N, BLOCK_M)
         tgt = tl.load(T + rows, mask=mask_m, other=-1)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK_M,), tl.float32)
@@ -120,9 +133,7 @@ if HAS_TRITON:
         if ONE_K:
             xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
         for vb in range(vb0, vb1):
-            offs_n = vb * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < V
-            cols = tl.where(mask_n, offs_n, 0).to(tl.int64)
+            offs_n, mask_n, cols = block_range(vb, V, BLOCK_N)
             if ONE_K:
                 wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
                 z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
@@ -173,16 +184,8 @@ if HAS_TRITON:
     ):
         """(g, p): the softmax part of d loss / d logits on one tile (no one-hot term), and the
         unscaled softmax * softcap' that the filter looks at."""
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
-        pos = col_start + vbl * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = pos < V
-        pos_c = tl.where(mask_n, pos, 0)
-        if HAS_ORDER:
-            cols = tl.load(Order + pos_c).to(tl.int64)
-        else:
-            cols = pos_c.to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
+        mask_n, cols = vocab_cols(col_start + vbl * BLOCK_N + tl.arange(0, BLOCK_N), V, Order, HAS_ORDER)
         z = logits_tile(X, W, rows, cols, D, sxn, sxd, swv, swd,
                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)
         return grad_epilogue(z, rows, mask_m, cols, mask_n, Bias, LSE, PCoef, SCoef, sb, softcap,
@@ -229,9 +232,7 @@ if HAS_TRITON:
     @triton.jit
     def target_rows(tb, N, TPos, TCoef, BLOCK_M: tl.constexpr):
         """Target visiting positions (-1 past N) and coefficients (0 past N) of token block tb."""
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
         tp = tl.load(TPos + rows, mask=mask_m, other=-1)
         tc = tl.load(TCoef + rows, mask=mask_m, other=0.0)
         return tp, tc
@@ -308,9 +309,7 @@ if HAS_TRITON:
                          HAS_BIAS, HAS_SOFTCAP, SMOOTH_IN_TILE, HAS_ORDER)
         pos = col_start + vbl * BLOCK_N + tl.arange(0, BLOCK_N)
         g = minus_target_term(g, tb, pos, N, V, TPos, TCoef, BLOCK_M)
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
         offs_bn = tl.arange(0, BLOCK_N)
         tl.store(G + rows[:, None] * ld_g + (vbl * BLOCK_N + offs_bn)[None, :],
                  g.to(G.dtype.element_ty), mask=mask_m[:, None])
@@ -327,9 +326,7 @@ if HAS_TRITON:
         the targets whose visiting position is in [tgt_lo, tgt_hi) (and the smoothing term)."""
         tb = tl.program_id(0)
         pid_d = tl.program_id(1)
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         offs_bm = tl.arange(0, BLOCK_M)
@@ -340,12 +337,7 @@ if HAS_TRITON:
         for i in range(start, end):
             slot = tl.load(TileSlot + i)
             vb = vb_start + tl.load(TileVb + i)
-            pos = vb * BLOCK_N + offs_bn
-            pos = tl.where(pos < V, pos, 0)
-            if HAS_ORDER:
-                cols = tl.load(Order + pos).to(tl.int64)
-            else:
-                cols = pos.to(tl.int64)
+            in_range, cols = vocab_cols(vb * BLOCK_N + offs_bn, V, Order, HAS_ORDER)
             g = tl.load(G + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
                         + offs_bm[:, None] * BLOCK_N + offs_bn[None, :])
             w = tl.load(W + cols[:, None] * swv + offs_d[None, :] * swd,
@@ -382,13 +374,7 @@ if HAS_TRITON:
         vb = vb_start + vbl
         offs_bn = tl.arange(0, BLOCK_N)
         offs_bm = tl.arange(0, BLOCK_M)
-        pos = vb * BLOCK_N + offs_bn
-        mask_n = pos < V
-        pos = tl.where(mask_n, pos, 0)
-        if HAS_ORDER:
-            cols = tl.load(Order + pos).to(tl.int64)
-        else:
-            cols = pos.to(tl.int64)
+        mask_n, cols = vocab_cols(vb * BLOCK_N + offs_bn, V, Order, HAS_ORDER)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -454,9 +440,7 @@ if HAS_TRITON:
         tb = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_d = tl.program_id(2)
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -469,9 +453,7 @@ if HAS_TRITON:
             sc = tl.load(SCoef + rows) if SMOOTH_IN_TILE else pc
             tp, tc = target_rows(tb, N, TPos, TCoef, BLOCK_M)
         for vb in range(vb0, vb1):
-            pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = pos < V
-            cols = tl.where(mask_n, pos, 0).to(tl.int64)
+            pos, mask_n, cols = block_range(vb, V, BLOCK_N)
             if ONE_K:
                 wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
                 z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
@@ -507,9 +489,7 @@ if HAS_TRITON:
         serving both the logits and the dW product; the loop streams x only."""
         vb = tl.program_id(0)
         pid_d = tl.program_id(1)
-        pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = pos < V
-        cols = tl.where(mask_n, pos, 0).to(tl.int64)
+        pos, mask_n, cols = block_range(vb, V, BLOCK_N)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -517,9 +497,7 @@ if HAS_TRITON:
         if ONE_K:
             wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
         for tb in range(0, tl.cdiv(N, BLOCK_M)):
-            offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < N
-            rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+            offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
             if ONE_K:
                 xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
                 z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
@@ -564,9 +542,7 @@ if HAS_TRITON:
         combines the splits into the lse and sum_v p_v softcap'(z_v) W_v."""
         tb = tl.program_id(0)
         pid_s = tl.program_id(1)
-        offs_m = tb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < N
-        rows = tl.where(mask_m, offs_m, 0).to(tl.int64)
+        offs_m, mask_m, rows = block_range(tb, N, BLOCK_M)
         xa = x_block(X, rows, D, sxn, sxd, BLOCK_K, EVEN_K)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK_M,), tl.float32)
@@ -574,9 +550,7 @@ if HAS_TRITON:
         vb0 = pid_s * vb_per_split
         vb1 = tl.minimum(vb0 + vb_per_split, tl.cdiv(V, BLOCK_N))
         for vb in range(vb0, vb1):
-            pos = vb * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = pos < V
-            cols = tl.where(mask_n, pos, 0).to(tl.int64)
+            pos, mask_n, cols = block_range(vb, V, BLOCK_N)
             wt = w_block_t(W, cols, D, swv, swd, BLOCK_K, EVEN_K)
             z = tl.dot(xa, wt.to(xa.dtype), input_precision=DOT_PRECISION)
             if HAS_BIAS:
@@ -601,6 +575,17 @@ if HAS_TRITON:
         tl.store(ACC_out + out[:, None] * BLOCK_K + offs_k[None, :], acc, mask=mask_m[:, None])
 
     @triton.jit
+    def row_chunk(zrow, Bias, sb, v0, V, BLOCK_V: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """(offsets, offsets < V, fp32 raw logits) of entries [v0, v0 + BLOCK_V) of a logits row,
+        with the bias added in fp32 (HAS_BIAS); 0 past V."""
+        offs = v0 + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        z = tl.load(zrow + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(Bias + offs * sb, mask=mask, other=0.0).to(tl.float32)
+        return offs, mask, z
+
+    @triton.jit
     def logits_grad_rows_kernel(
         Z, T, PCoef, TCoef, SCoef, NLL, LSE, TZ, Bias,
         V, szn, sb, ignore_index, softcap, label_smoothing,
@@ -619,11 +604,7 @@ if HAS_TRITON:
         s = tl.zeros((BLOCK_V,), tl.float32)
         zs = tl.zeros((BLOCK_V,), tl.float32)
         for v0 in range(0, V, BLOCK_V):
-            offs = v0 + tl.arange(0, BLOCK_V)
-            mask = offs < V
-            z = tl.load(zrow + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                z += tl.load(Bias + offs * sb, mask=mask, other=0.0).to(tl.float32)
+            offs, mask, z = row_chunk(zrow, Bias, sb, v0, V, BLOCK_V, HAS_BIAS)
             if HAS_SOFTCAP:
                 z = softcap * stable_tanh(z / softcap)
             z = tl.where(mask, z, float("-inf"))
@@ -654,11 +635,7 @@ if HAS_TRITON:
             tc = tl.load(TCoef + row)
             sc = tl.load(SCoef + row)
             for v0 in range(0, V, BLOCK_V):
-                offs = v0 + tl.arange(0, BLOCK_V)
-                mask = offs < V
-                z = tl.load(zrow + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_BIAS:
-                    z += tl.load(Bias + offs * sb, mask=mask, other=0.0).to(tl.float32)
+                offs, mask, z = row_chunk(zrow, Bias, sb, v0, V, BLOCK_V, HAS_BIAS)
                 if HAS_SOFTCAP:
                     zc = stable_tanh(z / softcap)
                     z = softcap * zc

@@ -13,8 +13,7 @@ from typing import Optional
 
 import torch
 
-from .dispatch import dot_precision
-from .linear_cross_entropy_kernels import HAS_TRITON
+from .dispatch import HAS_TRITON, dot_precision
 from .linear_cross_entropy_plan import FORWARD_DX_MAX_D, CCEStats, CCETuning, chunk_plan, current_tuning, record
 
 if HAS_TRITON:
