@@ -249,8 +249,8 @@ def chunk_plan(n_tokens: int, hidden: int, vocab: int, elem: int, budget: int,
 
 @dataclass(frozen=True)
 class DeviceRates:
-    """Throughputs the cost model assumes. The defaults are an H200 in bf16 (BENCHMARKS.md,
-    section 1): library GEMMs sustain ~690 TFLOP/s at LM-head shapes (790 peak; the figure that
+    """Throughputs the cost model assumes. The defaults are an H200 in bf16, as measured there:
+    library GEMMs sustain ~690 TFLOP/s at LM-head shapes (790 peak; the figure that
     reproduces the measured torch.compile times), this op's Triton logits tiles ~560 TFLOP/s,
     HBM 4.3 TB/s. ``softmax_elems``: logits entries per second of one pass of the tile kernels
     when the product is cheap (small D): the fused path's three passes took 4.5 ms at
