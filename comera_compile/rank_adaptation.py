@@ -630,9 +630,10 @@ class RankAdaptation:
 
     def _snapshot_scaled_gates(self) -> None:
         """The gates whose step ``gate_lr_scale`` multiplies, as they are before the step."""
-        self._scaled = [(lay.param.gate_flat, s, lay.param.gate_flat.detach().clone())
-                        for lay, s in zip(self.layers, self._gate_scales)
-                        if s != 1.0 and lay.fqn not in self.dead and lay.param.gate_flat.requires_grad]
+        chosen = [(lay.param.gate_flat, s) for lay, s in zip(self.layers, self._gate_scales)
+                  if s != 1.0 and lay.fqn not in self.dead and lay.param.gate_flat.requires_grad]
+        copies = torch._foreach_mul([p.detach() for p, _ in chosen], 1.0) if chosen else []  # one launch
+        self._scaled = [(p, s, copy) for (p, s), copy in zip(chosen, copies)]
 
     def _scale_gate_steps(self) -> None:
         """``g <- g_before + scale * (g - g_before)``: for SGD, Adam(W), RMSprop, ... the step the
