@@ -22,10 +22,10 @@ import comera_compile as cc
 from comera_compile.rank_adaptation import RankAdaptation, size_coefficients
 from comera_compile.tensorize import tt_parametrization
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "tensorize"))  # the flat-storage tests' helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tensorize"))  # the flat-storage tests' helpers
 from test_tt_storage import slice_bonds, split_per_core  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -620,7 +620,8 @@ def test_checkpoint_after_pruning_resumes_bitwise_in_a_fresh_process(tmp_path, r
                 "step": 9}, ckpt)
     run_steps(net, opt, range(9, 17))
     out = tmp_path / "resumed.pt"
-    script = _RESUME.format(tests=str(ROOT / "tests"), ckpt=str(ckpt), out=str(out), early=ranker_first)
+    script = _RESUME.format(tests=str(Path(__file__).resolve().parent), ckpt=str(ckpt), out=str(out),
+                            early=ranker_first)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=120)
     resumed = torch.load(out, weights_only=False)
     state = net.state_dict()

@@ -16,7 +16,7 @@ random multiple (1.5x to 3x) of the model's compression at the start. Properties
   model tensorized by the same config, loaded), and a ranker built on the rebuilt model reports the
   same ranks and the same effective size.
 
-Run it alone with ``pytest -m fuzz -s tests/test_fuzz_rank_adaptation.py`` (``-s`` shows the seed line).
+Run it alone with ``pytest -m fuzz -s tests/rank_adaptation/test_fuzz_rank_adaptation.py`` (``-s`` shows the seed line).
 Replay: the run is derandomized (the same examples every time). ``COMERA_FUZZ_SEED=<int>`` draws
 other examples, ``COMERA_FUZZ_RA_EXAMPLES=<n>`` changes how many; a failure prints the case and a
 ``@reproduce_failure`` blob.
