@@ -172,3 +172,39 @@ def test_reduce_overhead_keeps_the_fused_loss_in_the_cuda_graph():
     assert not any("cudagraph" in k and "skip" in k for k in skips if skips[k]), skips
     report = cc.explain(Head().cuda().bfloat16(), h, y, options={"cce_min_vocab": 0})
     assert [r.kind for r in report.rewrites] == ["cce"]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "sparse", "static", "chunked", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_bias_over_16bit_logits_on_the_gpu(strategy, dtype):
+    """``(x @ W.T).float() + b`` with an fp32 bias (|b| ~ 20) on every path: within 2x eager's error
+    against float64 (db through the paths that hold the logits' gradient in x's dtype: + that dtype's eps)."""
+    x, w, t = _inputs(4096, 256, 32000, dtype=dtype)
+    b = torch.randn(32000, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) * 20
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+    loss = linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], strategy=strategy, backward="exact")
+    grads = torch.autograd.grad(loss, leaves)
+    el = [a.clone().requires_grad_() for a in (x, w, b)]
+    eager = F.cross_entropy((el[0] @ el[1].t()).float() + el[2], t)
+    eager_grads = torch.autograd.grad(eager, el)
+    rl = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    ref = F.cross_entropy(rl[0] @ rl[1].t() + rl[2], t)
+    ref_grads = torch.autograd.grad(ref, rl)
+    assert abs(float(loss) - float(ref)) <= 2 * abs(float(eager) - float(ref)) + 1e-5
+    assert grads[2].dtype == torch.float32
+    for name, a, e, r in zip("xwb", grads, eager_grads, ref_grads):
+        floor = torch.finfo(dtype).eps if name == "b" else 1e-6
+        assert _rel(a, r) <= 2 * _rel(e, r) + floor, (name, _rel(a, r), _rel(e, r))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "sparse", "static", "chunked", "fused"])
+def test_confident_rows_never_give_a_negative_loss_on_the_gpu(strategy):
+    x, w, t = _inputs(4096, 256, 32000, dtype=torch.float32)
+    t = t.clamp_min(0)
+    w = w * 0.1
+    w[t] = 3.0 * x  # the target logit ~ 3 |x|^2 ~ 770 far above the rest: eager's loss is 0
+    loss = linear_cross_entropy(x, w, t, strategy=strategy, reduction="none")
+    eager = F.cross_entropy(x @ w.t(), t, reduction="none")
+    assert (loss >= 0).all(), (float(loss.min()), int((loss < 0).sum()))
+    # logits ~ 770 round by ~1e-4 in fp32 (eager too): rows whose target repeats are not confident
+    torch.testing.assert_close(loss, eager, rtol=1e-4, atol=5e-3)
