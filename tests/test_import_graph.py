@@ -91,6 +91,21 @@ def test_the_tt_floor_holds_no_module_and_no_op():
         assert not [m for m in imported | used if m.startswith(("torch.nn", "torch.library", "nn."))], name
 
 
+def test_rank_adaptation_sits_on_tensorize_and_tt():
+    """The rank_adaptation package imports (at import time or inside functions) only tt, tensorize and
+    itself from the package: nothing of the compiler above it (backend, passes, options, ...)."""
+    modules = _modules()
+    allowed = ("comera_compile.tt", "comera_compile.tensorize", "comera_compile.rank_adaptation")
+    for name in [m for m in modules if m.startswith("comera_compile.rank_adaptation")]:
+        tree = ast.parse(modules[name].read_text())
+        targets = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        for node in [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]:
+            targets |= {f"{node.module}.{a.name}" if node.module == "comera_compile" else node.module
+                        for a in node.names}
+        upward = [t for t in targets if t.split(".")[0] == "comera_compile"
+                  and not any(t == a or t.startswith(a + ".") for a in allowed)]
+        assert not upward, (name, upward)
+
 def test_old_paths_still_import():
     import comera_compile as cc
     from comera_compile import optim, planner, tt, tt_runtime

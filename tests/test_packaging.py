@@ -18,7 +18,8 @@ def test_wheel_layout(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"comera_compile", "comera_compile-0.1.0.dist-info"}
     for module in ("passes/cce.py", "passes/tensor_network.py", "kernels/linear_cross_entropy.py",
-                   "kernels/tt_linear.py", "kernels/tt_embedding.py", "kernels/tt_materialize.py"):
+                   "kernels/tt_linear.py", "kernels/tt_embedding.py", "kernels/tt_materialize.py",
+                   "rank_adaptation/__init__.py", "rank_adaptation/ranker.py"):
         assert f"comera_compile/{module}" in names
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
