@@ -906,27 +906,35 @@ def reference_switch_step(losses, decay, window, tol):
     return None
 
 
+def observing_ranker(losses, net=None, opt=None, *, until_late=False):
+    """A ranker on a model that does not train (lr 0) that observes ``losses``, one per step (up to
+    the switch with ``until_late``); returns the model, the optimizer and the ranker."""
+    if net is None:
+        net = make_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ranker = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
+    for value in losses:
+        ranker.observe(torch.tensor(value))
+        opt.step()
+        if until_late and ranker.stage == "late":
+            break
+    return net, opt, ranker
+
+
 def test_the_early_stage_ends_when_the_loss_falls_toward_zero():
     """A loss that halves every ~70 steps toward 0 (1 -> 1e-4 in 920 steps) improves by ~63% per
     window forever, so the relative test alone never switched; the descent test ends the early
     stage once a window brings < 1% of the descent so far (here at step 537, the loss at 0.5% of
     its start)."""
     losses = [math.exp(-step / 100) for step in range(1500)]
-    net = make_net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    ranker = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
-    for value in losses:
-        ranker.observe(torch.tensor(value))
-        opt.step()
-        if ranker.stage == "late":
-            break
+    net, opt, ranker = observing_ranker(losses, until_late=True)
     want = reference_switch_step(losses, decay=0.95, window=100, tol=0.01)
     assert want is not None and losses[want] < 1e-2
     assert ranker.stage == "late" and ranker.switch_step == want, (ranker.switch_step, want)
     assert ranker.loss_target == pytest.approx(ranker.loss_avg * 1.02)
     # a resumed ranker goes on from the same descent
     state = ranker.state_dict()
-    other = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
+    other = observing_ranker([], net, opt)[2]
     other.load_state_dict(state)
     assert other._loss_peak == ranker._loss_peak == pytest.approx(1.0)
 
@@ -935,12 +943,7 @@ def test_the_switch_on_a_plateau():
     """A loss that levels off at a floor switches by the same rule, a few windows into the plateau
     (step 268; the relative test alone: step 288)."""
     losses = [0.5 + math.exp(-step / 30) for step in range(600)]
-    net = make_net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    ranker = RankAdaptation(net, opt, target_compression=50, loss_from="observe", prune_every=0)
-    for value in losses:
-        ranker.observe(torch.tensor(value))
-        opt.step()
+    ranker = observing_ranker(losses)[2]
     want = reference_switch_step(losses, decay=0.95, window=100, tol=0.01)
     assert ranker.switch_step == want and 100 < want < 300
 
