@@ -3,6 +3,7 @@ else at the top level, with the torch_dynamo_backends entry point."""
 
 import glob
 import pathlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,9 +22,19 @@ def test_wheel_layout(tmp_path):
                    "kernels/tt_linear.py", "kernels/tt_embedding.py", "kernels/tt_materialize.py",
                    "rank_adaptation/__init__.py", "rank_adaptation/ranker.py"):
         assert f"comera_compile/{module}" in names
+    assert "comera_compile/py.typed" in names  # PEP 561: type checkers read the package's annotations
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[torch_dynamo_backends]" in text and "comera = comera_compile.backend:comera_backend" in text
+
+
+def test_hf_extra_installs_what_trainer_needs():
+    """transformers' Trainer raises ImportError without accelerate: the hf extra installs both."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {re.split(r"[<>=!~;\[ ]", req)[0] for req in extras["hf"]}
+    assert {"transformers", "accelerate"} <= names
 
 
 def test_no_test_asserts_a_wall_clock_time():
