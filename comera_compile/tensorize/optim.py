@@ -53,8 +53,10 @@ def param_groups(
     * ``"no_decay"``: other parameters (biases, norm weights); no weight decay.
 
     Frozen parameters (``requires_grad=False``) are left out. Build the optimizer after
-    ``tensorize_``: a dense layer tensorized later would not be in it. A learning-rate schedule
-    should scale each group's own ``lr``.
+    ``tensorize_``: a dense layer tensorized later would not be in it. ``tensorize_`` empties the
+    dense weight it replaces in place, so an optimizer built before it holds that empty tensor, not
+    the layer's cores, and never trains them; nothing fails (the comera backend warns at such an
+    optimizer's first step). A learning-rate schedule should scale each group's own ``lr``.
     """
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("core_lr", core_lr), ("gate_lr", gate_lr),
                         ("core_weight_decay", core_weight_decay), ("gate_weight_decay", gate_weight_decay)):
