@@ -18,8 +18,10 @@ _LOSSES = {F.cross_entropy, F.nll_loss}
 
 
 def _options_of_compiled(model: Any) -> Any:
-    """The ``options=`` a model was compiled with (``torch.compile(m, backend="comera", options=...)``)."""
-    callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    """The ``options=`` a model was compiled with: ``torch.compile(m, backend="comera", options=...)``,
+    or in place by ``m.compile(...)`` / :func:`comera_compile.hf.compile`."""
+    context = getattr(model, "dynamo_ctx", None) or _in_place_context(model)
+    callback = getattr(context, "callback", None)
     for _ in range(4):  # unwrap Dynamo's callback wrappers down to torch's _TorchCompileWrapper
         if callback is None:
             break
@@ -30,25 +32,39 @@ def _options_of_compiled(model: Any) -> Any:
     return None
 
 
+def _in_place_context(model: Any) -> Any:
+    """The Dynamo context of ``nn.Module.compile``'s ``_compiled_call_impl`` (held in its closure)."""
+    function = getattr(model, "_compiled_call_impl", None) if isinstance(model, nn.Module) else None
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch._dynamo.eval_frame._TorchDynamoContext):
+            return value
+    return None
+
+
 def explain(model: Any, *example_args: Any, options: Any = None, **example_kwargs: Any) -> Report:
     """Compile ``model`` with the comera backend, run it once on the example inputs, and report.
 
-    ``model`` may be a module, a function, or a model already wrapped by ``torch.compile`` (its
-    comera options are reused unless ``options=`` is given). The run happens in the caller's grad
-    mode, so call it under ``torch.no_grad()`` to see the inference rewrite.
+    ``model`` may be a module, a function, or a model already compiled by ``torch.compile`` or in
+    place (``model.compile(...)``, :func:`comera_compile.hf.compile`); a compiled model's comera
+    options are reused unless ``options=`` is given. The run happens in the caller's grad mode, so
+    call it under ``torch.no_grad()`` to see the inference rewrite.
 
     Returns a :class:`~comera_compile.report.Report`: ``print(report)`` shows, per graph, every rewrite
-    applied, every candidate left alone with the reason, and the graph before and after;
-    ``report.rewrites``, ``report.skipped`` and ``report.graphs`` hold the same as data, and
-    ``report.output`` the model's output.
+    applied and every candidate left alone with the reason; ``report.show(graphs=True)`` also prints
+    the graph before and after the passes. ``report.rewrites``, ``report.skipped`` and
+    ``report.graphs`` hold the same as data, and ``report.output`` the model's output.
     """
     from comera_compile.backend import compile_graph
 
     target = model
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         target = model._orig_mod
-        if options is None:
-            options = _options_of_compiled(model)
+    if options is None:
+        options = _options_of_compiled(model)
     opts = CompileOptions.from_user(options)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -56,9 +72,18 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
 
     report = Report()
     compiled = torch.compile(target, backend=backend)
+    # A module compiled in place would run its own compiled call inside this one (and answer from
+    # that call's cache): explain traces the module's plain call instead, for this run only.
+    in_place = target.__dict__.get("_compiled_call_impl") if isinstance(target, nn.Module) else None
     breaks_before = _graph_break_counts()
-    with collecting(report):
-        report.output = compiled(*example_args, **example_kwargs)
+    try:
+        if in_place is not None:
+            target._compiled_call_impl = None
+        with collecting(report):
+            report.output = compiled(*example_args, **example_kwargs)
+    finally:
+        if in_place is not None:
+            target._compiled_call_impl = in_place
     report.graph_breaks = _new_graph_breaks(breaks_before)
     _use_user_names(report, _wrapper_prefix(target))
     _note_separated_losses(report)

@@ -50,7 +50,9 @@ class GraphReport:
     passes_run: list[tuple[str, int]] = field(default_factory=list)
     cudagraphs: bool = False  # whether the inner compiler runs this graph under CUDA graphs
 
-    def __str__(self) -> str:
+    def format(self, graphs: bool = False) -> str:
+        """The summary (passes, CUDA graphs, rewrites, candidates left alone); ``graphs=True`` adds the
+        graph before the passes and the graph handed to the inner compiler."""
         lines = [f"=== graph {self.index} ==="]
         lines.append("passes: " + (", ".join(f"{n} ({c})" for n, c in self.passes_run) or "none"))
         lines.append(f"CUDA graphs: {'on' if self.cudagraphs else 'off'}")
@@ -58,11 +60,15 @@ class GraphReport:
         lines += [f"  {r}" for r in self.rewrites] or ["  none"]
         lines.append(f"left alone ({len(self.skipped)}):")
         lines += [f"  {s}" for s in self.skipped] or ["  none"]
-        lines.append("--- before ---")
-        lines.append(self.before.rstrip())
-        lines.append("--- after ---")
-        lines.append(self.after.rstrip())
+        if graphs:
+            lines.append("--- before ---")
+            lines.append(self.before.rstrip())
+            lines.append("--- after ---")
+            lines.append(self.after.rstrip())
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 @dataclass
@@ -86,12 +92,23 @@ class Report:
     def skipped(self) -> list[SkipRecord]:
         return [s for g in self.graph_reports for s in g.skipped]
 
-    def __str__(self) -> str:
+    def format(self, graphs: bool = False) -> str:
+        """The report as text: per graph, every rewrite and every candidate left alone with the reason;
+        ``graphs=True`` adds each graph before and after the passes (``str(report)`` is the summary)."""
         head = (f"comera explain: {len(self.graph_reports)} graph(s), {len(self.rewrites)} rewrite(s), "
                 f"{len(self.skipped)} candidate(s) left alone")
         if self.graph_breaks:
             head += f"\ngraph breaks ({len(self.graph_breaks)}):\n" + "\n".join(f"  {b}" for b in self.graph_breaks)
-        return "\n\n".join([head] + [str(g) for g in self.graph_reports])
+        if not graphs and any(g.before or g.after for g in self.graph_reports):
+            head += "\n(report.show(graphs=True) also prints each graph before and after the passes)"
+        return "\n\n".join([head] + [g.format(graphs) for g in self.graph_reports])
+
+    def show(self, graphs: bool = False) -> None:
+        """Print :meth:`format`: the summary, or with ``graphs=True`` the graphs too."""
+        print(self.format(graphs))
+
+    def __str__(self) -> str:
+        return self.format()
 
     __repr__ = __str__
 
@@ -110,10 +127,19 @@ def active_report() -> Report | None:
 
 
 class collecting:
-    """Context manager: graph reports made by the backend inside it go into ``report``."""
+    """Context manager: the report of every graph the backend compiles inside it goes into ``report``
+    (a new :class:`Report` when none is given), e.g. around ``trainer.train()`` or a training loop:
 
-    def __init__(self, report: Report) -> None:
-        self.report = report
+        with comera_compile.report.collecting() as report:
+            trainer.train()
+        print(report)   # what the backend did to each graph it compiled
+
+    Unlike :func:`comera_compile.explain` it runs nothing itself and records no graph breaks; a
+    graph compiled before the block (or not recompiled inside it) is not in the report.
+    """
+
+    def __init__(self, report: Report | None = None) -> None:
+        self.report = Report() if report is None else report
 
     def __enter__(self) -> Report:
         _collectors.stack.append(self.report)

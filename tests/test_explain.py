@@ -10,10 +10,35 @@ def test_report_shape_and_text():
     report = cc.explain(model, x, options={"inner": "eager"})
     torch.testing.assert_close(report.output, model(x))
     assert len(report.graphs) == 1 and isinstance(report.graphs[0], torch.fx.GraphModule)
-    text = str(report)
-    assert "=== graph 0 ===" in text and "--- before ---" in text and "--- after ---" in text
-    assert "rewrites (0)" in text
+    text = str(report)  # the summary: no graph code
+    assert "=== graph 0 ===" in text and "rewrites (0)" in text and "left alone (0)" in text
+    assert "--- before ---" not in text and "def forward" not in text and "report.show(graphs=True)" in text
+    full = report.format(graphs=True)  # and the graphs before and after, on request
+    assert full.startswith(text.split("\n(report.show")[0]) and "rewrites (0)" in full
+    assert "--- before ---" in full and "--- after ---" in full and full.count("def forward") == 2
+    assert str(report.graph_reports[0]) == report.graph_reports[0].format() and repr(report) == text
     assert isinstance(report.rewrites, list) and isinstance(report.skipped, list)
+
+
+def test_report_show_prints_the_summary_or_the_graphs(capsys):
+    report = cc.explain(nn.Linear(4, 3), torch.randn(2, 4), options={"inner": "eager"})
+    report.show()
+    assert capsys.readouterr().out.strip() == str(report)
+    report.show(graphs=True)
+    assert capsys.readouterr().out.strip() == report.format(graphs=True).strip()
+    assert "--- after ---" in report.format(graphs=True)
+
+
+def test_collecting_gathers_what_the_backend_compiles_in_a_block():
+    from comera_compile.report import collecting
+
+    model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), backend="comera", options={"inner": "eager"})
+    with collecting() as report:
+        model(torch.randn(2, 4))
+    assert len(report.graph_reports) == 1 and "def forward" in report.format(graphs=True)
+    with collecting() as again:  # a cached graph is not compiled again
+        model(torch.randn(2, 4))
+    assert again.graph_reports == []
 
 
 def test_explain_reuses_options_of_compiled_model():
