@@ -4,9 +4,11 @@ A transformers model returns its logits next to the loss, so in the graph the LM
 a second user (the returned ``logits``) and the ``cce`` pass must leave the head alone: fusing would
 compute the logits anyway. :func:`fused_loss` makes the model drop the logits in training, as
 Liger-Kernel and Cut-Cross-Entropy do, so that Dynamo's graph no longer returns them and the head +
-cross-entropy becomes one fused op. Nothing here imports transformers: :func:`fused_loss` takes a
-transformers ``PreTrainedModel`` (found through the already imported module that defines it), and
-:func:`without_logits` works on any ``ModelOutput``-like mapping (or ``(loss, logits, ...)`` tuple).
+cross-entropy becomes one fused op. :func:`compile` does that and compiles the model in place with
+the comera backend, the way to hand a model to transformers' ``Trainer``. Nothing here imports
+transformers: :func:`fused_loss` takes a transformers ``PreTrainedModel`` (found through the already
+imported module that defines it), and :func:`without_logits` works on any ``ModelOutput``-like
+mapping (or ``(loss, logits, ...)`` tuple).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 from torch import nn
 
 from comera_compile.fx_utils import unwrap_compiled
+from comera_compile.optimizer_check import watch_optimizers
+from comera_compile.options import CompileOptions
 
-__all__ = ["fused_loss"]
+__all__ = ["compile", "fused_loss", "without_logits"]
 
 _PINNED = "_comera_fused_loss_pinned"
 
@@ -64,6 +68,51 @@ def fused_loss(model: nn.Module, enabled: bool = True) -> nn.Module:
         if root.__dict__.pop(_PINNED, False):
             del root._loss_function
     return model
+
+
+def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | None = None,
+            mode: str | None = None, fused_loss: bool = True, **compile_kwargs: Any) -> nn.Module:
+    """Compile ``model`` in place with the comera backend, for transformers' ``Trainer``; returns ``model``.
+
+    ``cc.hf.compile(model, options=...)`` validates ``options`` (:class:`~comera_compile.CompileOptions`),
+    applies :func:`fused_loss` (``fused_loss=False`` leaves the logits in the outputs, and then the
+    LM head's loss is not fused), and calls ``model.compile(backend="comera", ...)``, which compiles
+    the module's call in place: ``model`` stays the same object, with its own ``forward`` signature
+    (``Trainer`` reads it to keep the dataset columns the model takes; ``torch.compile(model)``'s
+    wrapper shows ``(*args, **kwargs)``, so ``Trainer`` drops every column and fails with "The batch
+    received was empty"), its parameter names and its ``state_dict`` keys. Keyword arguments
+    (``dynamic=``, ``fullgraph=``) go to ``torch.compile``.
+
+    Leave ``TrainingArguments(torch_compile=...)`` off: accelerate accepts only its own list of
+    backend names, so ``torch_compile_backend="comera"`` fails when the ``Trainer`` is built
+    (``'COMERA' is not a valid DynamoBackend``), and another backend would compile the model again.
+
+    It also installs the check that warns at an optimizer's first step when the optimizer was
+    built before ``cc.tensorize_`` (it then holds the emptied dense weights, not the TT cores).
+    """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError("cc.hf.compile compiles the model in place: pass the model itself, not the wrapper "
+                        "torch.compile returned (its ._orig_mod)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"cc.hf.compile expects an nn.Module; got {type(model).__name__}")
+    CompileOptions.from_user(options, mode)  # a bad key or value raises here, not at the first step
+    if fused_loss:
+        try:
+            _check_pretrained(model, model)
+        except TypeError as exc:
+            raise TypeError(f"cc.hf.compile: {exc} (or pass fused_loss=False to compile it without dropping "
+                            "the logits)") from None
+        _fused_loss(model)
+    if options is not None:
+        compile_kwargs["options"] = options
+    if mode is not None:
+        compile_kwargs["mode"] = mode
+    model.compile(backend="comera", **compile_kwargs)
+    watch_optimizers()
+    return model
+
+
+_fused_loss = fused_loss  # compile's parameter of the same name shadows the function there
 
 
 def _pretrained_model_class() -> type | None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import comera_compile as cc
+from comera_compile.report import collecting
 
 transformers = pytest.importorskip("transformers")
 
@@ -223,3 +224,143 @@ def test_gpt2_tied_share_trains_one_tt_and_compiles():
     out.loss.backward()
     assert_same_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want_grads,
                       rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' Trainer, Seq2SeqTrainer and TRL's SFTTrainer on cc.hf.compile'd models
+# ----------------------------------------------------------------------------------------------
+
+
+def _train_args(tmp_path, cls=None, **overrides):
+    """A few logged steps on the CPU, nothing saved or reported, the same seed in every run."""
+    cls = cls or transformers.TrainingArguments
+    settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                    max_steps=4, logging_steps=1, learning_rate=1e-2, use_cpu=True, report_to=[],
+                    save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
+    return cls(**{**settings, **overrides})
+
+
+def _step_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _lm_rows(n=16, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, VOCAB, (n, length), generator=g)]
+
+
+def _run_trainer(model, tmp_path, rows, cls=None, args_cls=None, **args):
+    cls = cls or transformers.Trainer
+    trainer = cls(model=model, args=_train_args(tmp_path, args_cls, **args), train_dataset=rows, eval_dataset=rows[:8])
+    with collecting() as report:
+        trainer.train()
+        metrics = trainer.evaluate()
+    return _step_losses(trainer), metrics["eval_loss"], report
+
+
+def test_trainer_on_hf_compile_fuses_the_loss_and_matches_eager(tmp_path):
+    """cc.hf.compile(model) compiles in place: Trainer keeps its dataset columns (it reads forward's
+    signature), every step's loss is fused (the collected report shows the cce rewrite of lm_head)
+    and matches an eager Trainer run with the same seed; evaluation gets the logits back."""
+    pytest.importorskip("accelerate")
+    rows = _lm_rows()
+    want_losses, want_eval, _ = _run_trainer(make_model("llama"), tmp_path, rows)
+
+    model = make_model("llama")
+    assert cc.hf.compile(model, options=OPTIONS) is model
+    assert "labels" in inspect.signature(model.forward).parameters
+    losses, eval_loss, report = _run_trainer(model, tmp_path, rows)
+    assert len(losses) == 4
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_loss, want_eval, rtol=1e-4, atol=1e-5)
+    training = [g for g in report.graph_reports if any(r.kind == "cce" for r in g.rewrites)]
+    assert [(r.kind, r.module) for g in training for r in g.rewrites] == [("cce", "lm_head")], str(report)
+    assert not [s for s in report.skipped if "rolled back" in s.reason], str(report)
+
+
+def test_trainer_on_torch_compile_wrapper_and_comera_training_args_fail_as_documented(tmp_path):
+    """What the README tells Trainer users not to do, pinned so the README stays true: the wrapper
+    torch.compile returns drops every column, and TrainingArguments' torch_compile_backend takes
+    only accelerate's own backend names."""
+    pytest.importorskip("accelerate")
+    rows = _lm_rows(n=4)
+    trainer = transformers.Trainer(model=torch.compile(make_model("llama"), backend="comera", options=OPTIONS),
+                                   args=_train_args(tmp_path, max_steps=1), train_dataset=rows)
+    with pytest.raises(ValueError, match="The batch received was empty"):
+        trainer.train()
+    with pytest.raises(ValueError, match="'COMERA' is not a valid DynamoBackend"):
+        transformers.Trainer(model=make_model("llama"), train_dataset=rows,
+                             args=_train_args(tmp_path, torch_compile_backend="comera"))
+
+
+def test_hf_compile_validates_and_refuses_what_it_cannot_compile_in_place():
+    with pytest.raises(cc.OptionsError, match="unknown comera option"):
+        cc.hf.compile(make_model("llama"), options={"cce_min_vocb": 0})
+    with pytest.raises(TypeError, match="in place: pass the model itself"):
+        cc.hf.compile(torch.compile(make_model("llama"), backend="comera"))
+    with pytest.raises(TypeError, match=r"expects a transformers PreTrainedModel.*fused_loss=False"):
+        cc.hf.compile(torch.nn.Linear(4, 4))
+    linear = cc.hf.compile(torch.nn.Linear(4, 4), fused_loss=False, options={"inner": "eager"})
+    assert isinstance(linear, torch.nn.Linear) and linear._compiled_call_impl is not None
+    # explain reads the options a model was compiled with in place.
+    ids, labels = batch("llama")
+    model = cc.hf.compile(make_model("llama"), options={**OPTIONS, "passes": {"cce": False}})
+    assert cc.explain(model, ids, labels=labels).rewrites == []
+    assert [r.kind for r in cc.explain(model, ids, labels=labels, options=OPTIONS).rewrites] == ["cce"]
+
+
+def _t5():
+    t = transformers
+    torch.manual_seed(0)
+    config = t.T5Config(vocab_size=VOCAB, d_model=D, d_kv=16, d_ff=2 * D, num_layers=1, num_decoder_layers=1,
+                        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return t.T5ForConditionalGeneration(config).train()
+
+
+def test_seq2seq_trainer_on_hf_compile_fuses_the_loss_and_matches_eager(tmp_path):
+    """A tiny T5 under Seq2SeqTrainer: the decoder's LM head and its loss fused, losses as eager."""
+    pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": src, "labels": tgt} for src, tgt in
+            zip(torch.randint(1, VOCAB, (16, 10), generator=g), torch.randint(1, VOCAB, (16, 7), generator=g))]
+    s2s = dict(cls=transformers.Seq2SeqTrainer, args_cls=transformers.Seq2SeqTrainingArguments)
+    want_losses, want_eval, _ = _run_trainer(_t5(), tmp_path, rows, **s2s)
+    losses, eval_loss, report = _run_trainer(cc.hf.compile(_t5(), options=OPTIONS), tmp_path, rows, **s2s)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_loss, want_eval, rtol=1e-4, atol=1e-5)
+    assert ("cce", "lm_head") in [(r.kind, r.module) for r in report.rewrites], str(report)
+
+
+def test_trl_sft_trainer_on_hf_compile_matches_eager(tmp_path):
+    """TRL's SFTTrainer (1.16) computes the loss with its own chunked LM head (add_fused_lm_head:
+    log-probabilities without the logits), so there is no cross-entropy for the cce pass to fuse; the
+    rest of the model (here its tensor-train MLP) is compiled by comera, and the losses are eager's."""
+    pytest.importorskip("accelerate")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")),
+        pad_token="t0", unk_token="t1", eos_token="t2")
+    g = torch.Generator().manual_seed(1)
+    rows = datasets.Dataset.from_dict({"input_ids": torch.randint(3, VOCAB, (16, 12), generator=g).tolist()})
+
+    def model():
+        m = make_model("llama")
+        m.config.pad_token_id, m.config.eos_token_id = 0, 2
+        cc.tensorize_(m, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda mod, fqn: ".mlp." in fqn)
+        return m
+
+    def run(m):
+        args = _train_args(tmp_path, trl.SFTConfig)
+        trainer = trl.SFTTrainer(model=m, args=args, train_dataset=rows, processing_class=tokenizer)
+        with collecting() as report:
+            trainer.train()
+        return _step_losses(trainer), report
+
+    want, _ = run(model())
+    got, report = run(cc.hf.compile(model(), options=OPTIONS))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    kinds = [r.kind for r in report.rewrites]
+    assert "cce" not in kinds and kinds.count("tt_linear") >= 3, str(report)
