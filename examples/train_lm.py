@@ -1,23 +1,34 @@
-"""Train a small GPT-style language model on the Python standard library's own sources, through comera.
+"""Train a small GPT-style language model on the Python sources installed with the interpreter, through comera.
 
     python examples/train_lm.py                                    # CPU or GPU, byte tokens, backend "comera"
     python examples/train_lm.py --backend eager                    # the same model without torch.compile
     python examples/train_lm.py --tokenizer bpe --vocab-size 4096 --device cuda --steps 2000
     python examples/train_lm.py --preset gpu                       # d_model 768, 6 layers, BPE 16k, bf16 (one GPU)
     python examples/train_lm.py --preset gpu --tensorize 32 --fmt ttm      # TT-matrix blocks of rank 32
+    python examples/train_lm.py --preset gpu --lowrank 37                  # blocks as plain rank-37 products
 
 The model is written the way users write one (pre-LN blocks, causal attention through
 F.scaled_dot_product_attention, a tied LM head and F.cross_entropy on shifted logits): the backend finds
-the patterns it rewrites by itself. The corpus is read from the running interpreter, so nothing is downloaded.
+the patterns it rewrites by itself. The corpus is read from the running interpreter, so nothing is downloaded:
+--corpus stdlib (its standard library) or python (the standard library and every installed package's
+*.py files, deduplicated by content; --max-corpus-mb takes a random-like sample of files, split into
+train and validation by file). The corpus' manifest (every file, its sha1 and split) is written next to
+the token cache. Training visits the train split's non-overlapping windows of --seq-len tokens in a
+seeded random order, each once: a run that needs more than one epoch stops before it starts unless
+--allow-repeat. Validation is a fixed set of evenly spaced windows of the validation files.
 
 Presets set the defaults that flags given on the command line override:
-  cpu (default): d_model 128, 2 layers, 4 heads, fused qkv, byte tokens, seq 128, batch 16, lr 3e-3, 150 steps
+  cpu (default): d_model 128, 2 layers, 4 heads, fused qkv, byte tokens, seq 128, batch 16, lr 3e-3, 150 steps,
+       corpus stdlib (all of it, ~30 MB)
   gpu: d_model 768, 6 layers, 12 heads, separate q/k/v, BPE vocabulary 16384, seq 512, batch 32,
-       lr 1e-3, 1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches
+       lr 1e-3, 1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches;
+       corpus python capped at 200 MB (some 50 M train tokens where several GB of packages are installed)
 
 Compression: --tensorize RANK tensorizes the kinds of layer --compress names (attn, mlp, tok, pos, head;
 default attn,mlp: the transformer blocks). --tensorize, --fmt and --tt-init-std take one value for every
 kind or KIND=VALUE pairs, e.g. --tensorize attn=32,mlp=16 --fmt attn=tt,mlp=ttm,emb=ttm (emb: tok and pos).
+The plain low-rank baseline: --lowrank RANK replaces each Linear of the --compress kinds (attn, mlp; head
+when untied) by two Linears, d_in -> RANK -> d_out, with no nonlinearity between.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling data.py, also when imported by tests
-from data import TokenData, load_token_data  # noqa: E402
+from data import CORPORA, TokenData, load_token_data  # noqa: E402
 
 try:  # registers the "comera" backend in a source checkout; an installed package registers it by entry point
     import comera_compile as cc
@@ -52,10 +63,11 @@ KIND_KEYS = KINDS + ("emb",)  # keys of KIND=VALUE options; emb: tok and pos
 
 PRESETS = {
     "cpu": dict(steps=150, batch_size=16, seq_len=128, lr=3e-3, d_model=128, n_layers=2, n_heads=4, qkv="fused",
-                tokenizer="bytes", vocab_size=None, precision="auto", device="auto", eval_every=50, eval_batches=8),
+                tokenizer="bytes", vocab_size=None, precision="auto", device="auto", eval_every=50, eval_batches=8,
+                corpus="stdlib", max_corpus_mb=None),
     "gpu": dict(steps=1000, batch_size=32, seq_len=512, lr=1e-3, d_model=768, n_layers=6, n_heads=12,
                 qkv="separate", tokenizer="bpe", vocab_size=16384, precision="bf16", device="cuda", eval_every=100,
-                eval_batches=16),
+                eval_batches=16, corpus="python", max_corpus_mb=200.0),
 }
 
 
@@ -117,7 +129,34 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+class LowRankLinear(nn.Module):
+    """A Linear of rank ``rank``: ``up(down(x))``, ``d_in -> rank -> d_out``, no nonlinearity between
+    (the bias, if any, on ``up``). The dense map it computes is ``up.weight @ down.weight``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.down = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(rank, out_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """Both factors N(0, s^2) with ``s = (std^2 / rank) ** 0.25``: each entry of the product
+        (a sum of ``rank`` products of two factors' entries) then has the std ``std`` of the dense
+        layer it replaces; the bias zero."""
+        factor_std = (std**2 / self.down.out_features) ** 0.25
+        nn.init.normal_(self.down.weight, std=factor_std)
+        nn.init.normal_(self.up.weight, std=factor_std)
+        if self.up.bias is not None:
+            nn.init.zeros_(self.up.bias)
+
+
 class GPT(nn.Module):
+    INIT_STD = 0.02  # every Linear and Embedding starts at N(0, INIT_STD^2)
+
     def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int, n_heads: int,
                  dropout: float = 0.0, qkv: str = "fused", tie_head: bool = True):
         super().__init__()
@@ -133,7 +172,7 @@ class GPT(nn.Module):
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
+            nn.init.normal_(module.weight, std=GPT.INIT_STD)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
@@ -168,6 +207,25 @@ def layer_kind(fqn: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blocks" and parts[2] in ("attn", "mlp"):
         return parts[2]
     return None
+
+
+def lowrank_(model: nn.Module, ranks: dict, kinds: tuple[str, ...]) -> list[str]:
+    """Replace each ``nn.Linear`` of the given kinds by a :class:`LowRankLinear` of its kind's rank
+    (from :func:`per_kind`), started at the model's init std; returns the names replaced."""
+    replaced = []
+    for fqn, module in list(model.named_modules()):
+        kind = layer_kind(fqn)
+        if kind not in kinds or not isinstance(module, nn.Linear):
+            continue
+        rank = for_kind(ranks, kind)
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        low = LowRankLinear(module.in_features, module.out_features, rank, bias=module.bias is not None,
+                            device=module.weight.device, dtype=module.weight.dtype)
+        low.reset_parameters(GPT.INIT_STD)
+        setattr(parent, child, low)
+        replaced.append(fqn)
+    return replaced
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -244,7 +302,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1, help="on dense matrices and embeddings")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--seed", type=int, default=0, help="initialization and training batches (not the validation set)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="initialization and the order of the training windows (not the validation set)")
+    g.add_argument("--allow-repeat", action="store_true",
+                   help="let a run that needs more than one epoch of the train split go on into a second "
+                        "(a new order of the same windows); without it such a run stops before training")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int)
     g.add_argument("--n-layers", type=int)
@@ -257,7 +319,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer", choices=["bytes", "bpe"],
                    help="bytes: vocabulary 256, no dependency; bpe: trained here on the corpus (needs `tokenizers`)")
     g.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default 4096)")
-    g.add_argument("--max-corpus-mb", type=float, default=None, help="read at most this much of the stdlib (quick runs)")
+    g.add_argument("--corpus", choices=CORPORA,
+                   help="stdlib: the standard library's *.py files; python: those and every installed package's "
+                        "(site-packages), deduplicated by content")
+    g.add_argument("--max-corpus-mb", type=float,
+                   help="read at most this many MB of the corpus' files, taken in the order of a hash of their "
+                        "paths (a random-like sample); 0: all")
     g.add_argument("--cache-dir", type=Path, default=_default_cache_dir(),
                    help="BPE tokenizer and tokenized corpus cache, shared by concurrent runs (default: %(default)s)")
     g.add_argument("--no-cache", action="store_true", help="train and tokenize again, write no cache")
@@ -281,6 +348,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--compress", type=_kinds, default=("attn", "mlp"), metavar="KINDS",
                    help=f"which layers --tensorize compresses, from {','.join(KINDS)} (default: attn,mlp); "
                         "tok or head with the tied head needs --tied share or untie (or --head untied)")
+    g.add_argument("--lowrank", type=per_kind(_rank, "RANK"), default=None, metavar="RANK",
+                   help="the plain low-rank baseline: each Linear of the --compress kinds (attn, mlp; head when "
+                        "untied) as two Linears d_in -> RANK -> d_out (no nonlinearity), each factor started so "
+                        "their product has the dense init's std; or per kind: attn=32,mlp=48")
     g.add_argument("--tied", choices=["skip", "share", "untie"], default="skip",
                    help="tensorize_(tied=...) for the tied token embedding and head: skip (stay dense), share "
                         "(one TT for both), untie (a TT each)")
@@ -338,6 +409,19 @@ def _default_cache_dir() -> Path:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
+    if args.lowrank is not None:
+        if args.tensorize is not None:
+            p.error("--lowrank and --tensorize are two ways to compress the same layers: give one")
+        if "default" in args.lowrank.values():
+            p.error("--lowrank needs a number for its rank")
+        embeddings = [k for k in args.compress if k in ("tok", "pos")]
+        if embeddings or ("head" in args.compress and args.head == "tied"):
+            p.error(f"--lowrank factors Linear layers: --compress {','.join(args.compress)} names embeddings "
+                    "(or the head tied to the token embedding; --head untied makes it a Linear of its own)")
+        missing = [k for k in args.compress if for_kind(args.lowrank, k) is None]
+        if missing:
+            p.error(f"--lowrank gives no rank for the compressed kinds {missing} "
+                    f"(--compress {','.join(args.compress)})")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         p.error(f"--stop-after must be a step in 1..--steps ({args.steps}), got {args.stop_after}")
     if (args.rank_adapt_options or args.rank_plot) and args.rank_adapt is None:
@@ -411,7 +495,14 @@ def tt_configs(model: nn.Module, args: argparse.Namespace) -> dict:
 
 
 def compress(model: nn.Module, args: argparse.Namespace) -> None:
-    """Tensorize before the optimizer is built, so it sees the cores."""
+    """Tensorize (or factor, --lowrank) before the optimizer is built, so it sees the new parameters."""
+    if args.lowrank is not None:
+        before = block_parameters(model)
+        replaced = lowrank_(model, args.lowrank, args.compress)
+        ranks = sorted({for_kind(args.lowrank, layer_kind(f)) for f in replaced})
+        print(f"lowrank: {len(replaced)} Linear layers of {','.join(args.compress)} as d_in -> r -> d_out products "
+              f"(r {', '.join(map(str, ranks))}); block parameters {before:,} -> {block_parameters(model):,}")
+        return
     if args.tensorize is None:
         return
     if cc is None:
@@ -482,19 +573,19 @@ def read_checkpoint(path: Path, device: torch.device) -> tuple[dict, dict | None
     return checkpoint["model"], checkpoint.get("train_state")
 
 
-def train_state(step: int, opt: torch.optim.Optimizer, ranker, generator: torch.Generator,
-                device: torch.device) -> dict:
-    """What resuming needs besides the model: the steps done, the optimizer's and the ranker's state,
-    the training batches' generator and the RNG states (dropout)."""
+def train_state(step: int, opt: torch.optim.Optimizer, ranker, device: torch.device) -> dict:
+    """What resuming needs besides the model: the steps done (they fix where the training windows go
+    on: the sampler's order depends on the seed alone), the optimizer's and the ranker's state and
+    the RNG states (dropout)."""
     state = {"step": step, "optimizer": opt.state_dict(), "ranker": None if ranker is None else ranker.state_dict(),
-             "generator": generator.get_state(), "rng": torch.get_rng_state()}
+             "rng": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, generator: torch.Generator,
-                args: argparse.Namespace, device: torch.device) -> int:
+def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, args: argparse.Namespace,
+                device: torch.device) -> int:
     """Restore a rank-adaptive run from its checkpoint's training state; returns the step to go on
     from (0: nothing to resume, the checkpoint's weights only: no --rank-adapt, a checkpoint without a
     ranker's state, or no steps left before --steps)."""
@@ -506,7 +597,6 @@ def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, generato
         return 0
     opt.load_state_dict(state["optimizer"])
     ranker.load_state_dict(state["ranker"])
-    generator.set_state(state["generator"])
     torch.set_rng_state(state["rng"])
     if "cuda_rng" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"], device)
@@ -515,8 +605,9 @@ def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, generato
     return int(state["step"])
 
 
-def is_tensorized(state: dict) -> bool:
-    return any(".parametrizations.weight." in key for key in state)
+def is_compressed(state: dict) -> bool:
+    """A checkpoint of a tensorized (or --lowrank) model: it loads after :func:`compress`."""
+    return any(".parametrizations.weight." in key or key.endswith((".down.weight", ".up.weight")) for key in state)
 
 
 def load_checkpoint(model: nn.Module, state: dict, path: Path) -> None:
@@ -526,8 +617,8 @@ def load_checkpoint(model: nn.Module, state: dict, path: Path) -> None:
         model.load_state_dict(state)
     except RuntimeError as error:
         raise RuntimeError(f"--init-from {path}: not a checkpoint of this model (same --d-model, --n-layers, --qkv, "
-                           f"--head, vocabulary; a tensorized one also the same --tensorize, --compress and --fmt): "
-                           f"{error}") from None
+                           f"--head, vocabulary; a tensorized one also the same --tensorize, --compress and --fmt, "
+                           f"a low-rank one the same --lowrank and --compress): {error}") from None
 
 
 class Progress:
@@ -615,6 +706,56 @@ def step_time(steps: list[dict]) -> float | None:
     return statistics.median(seconds) if seconds else None
 
 
+def load_data(args: argparse.Namespace) -> TokenData:
+    """The corpus, tokenized (cached), with its manifest written; prints what it holds."""
+    max_bytes = int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None
+    data = load_token_data(args.tokenizer, args.vocab_size, max_bytes=max_bytes,
+                           cache_dir=None if args.no_cache else args.cache_dir, corpus=args.corpus)
+    corpus = data.corpus
+    if data.manifest is None and args.out is not None:  # --no-cache: next to the run's log
+        data.manifest = corpus.write_manifest(args.out.with_name(args.out.stem + ".corpus.tsv"))
+    roots = ", ".join(f"{name} {path}" for name, path in corpus.roots.items())
+    cap = f", capped at {corpus.max_bytes / 1e6:g} MB" if corpus.max_bytes else ""
+    print(f"corpus {corpus.name}: {len(corpus.files):,} files ({corpus.num_train_files:,} train / "
+          f"{corpus.num_val_files:,} val), {corpus.num_bytes / 1e6:,.1f} MB{cap}, {corpus.duplicates:,} duplicate "
+          f"files left out; from {roots}")
+    print(f"corpus manifest: {data.manifest if data.manifest else 'not written (--no-cache and no --out)'}")
+    print(f"tokens ({data.tokenizer.name}, vocab {data.tokenizer.vocab_size}): {data.train.numel():,} train / "
+          f"{data.val.numel():,} validation, in {data.seconds:.1f}s"
+          + (f" ({'cached' if data.from_cache else 'now cached'} in {data.cache})" if data.cache else ""))
+    return data
+
+
+def plan_epochs(data: TokenData, sampler, args: argparse.Namespace, end_step: int) -> dict:
+    """The run's share of the train split, printed and returned for the log; stops a run that needs
+    more than one epoch unless --allow-repeat."""
+    corpus = data.corpus
+    seen = end_step * args.batch_size * args.seq_len
+    epochs = sampler.epochs_for(end_step)
+    print(f"sampler: one epoch = {sampler.num_windows:,} windows of {args.seq_len} tokens "
+          f"({sampler.batches_per_epoch:,} batches of {args.batch_size}); this run: {end_step:,} steps = "
+          f"{seen:,} train tokens seen = {epochs:.3f} epochs")
+    if end_step > sampler.batches_per_epoch:
+        if not args.allow_repeat:
+            raise SystemExit(
+                f"--steps {end_step} x --batch-size {args.batch_size} needs {end_step * args.batch_size:,} windows of "
+                f"{args.seq_len} tokens, but one epoch of the train split holds {sampler.batches_per_epoch:,} batches "
+                f"({sampler.num_windows:,} windows, {data.train.numel():,} tokens): lower --steps, raise "
+                "--max-corpus-mb or use --corpus python, or pass --allow-repeat to see windows again")
+        print(f"--allow-repeat: {epochs:.2f} epochs, the windows come again from step "
+              f"{sampler.batches_per_epoch + 1} on")
+    return {"corpus": corpus.name, "roots": {k: str(v) for k, v in corpus.roots.items()},
+            "files": len(corpus.files), "train_files": corpus.num_train_files, "val_files": corpus.num_val_files,
+            "duplicates": corpus.duplicates, "bytes": corpus.num_bytes, "max_bytes": corpus.max_bytes,
+            "digest": corpus.digest, "manifest": str(data.manifest) if data.manifest else None,
+            "tokenizer": data.tokenizer.name, "vocab_size": data.tokenizer.vocab_size,
+            "train_tokens": int(data.train.numel()), "val_tokens": int(data.val.numel()),
+            "sampler": "epoch", "seq_len": args.seq_len, "train_windows": sampler.num_windows,
+            "batches_per_epoch": sampler.batches_per_epoch, "allow_repeat": args.allow_repeat,
+            "planned_tokens": seen, "planned_epochs": epochs,
+            "val_windows": args.eval_batches * args.batch_size}
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -631,21 +772,21 @@ def main(argv: list[str] | None = None) -> dict:
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
-    max_bytes = int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None
-    data = load_token_data(args.tokenizer, args.vocab_size, max_bytes=max_bytes,
-                           cache_dir=None if args.no_cache else args.cache_dir)
-    print(f"corpus: {data.corpus.num_train_files} train / {data.corpus.num_val_files} val files from "
-          f"{data.corpus.root}; {data.train.numel():,} / {data.val.numel():,} tokens "
-          f"({data.tokenizer.name}, vocab {data.tokenizer.vocab_size}) in {data.seconds:.1f}s"
-          + (f" ({'cached' if data.from_cache else 'now cached'} in {data.cache})" if data.cache else ""))
+    data = load_data(args)
+    sampler = data.sampler(args.batch_size, args.seq_len, seed=args.seed, allow_repeat=args.allow_repeat)
+    end_step = args.steps if args.stop_after is None else args.stop_after
+    data_log = plan_epochs(data, sampler, args, end_step)
 
     model = build_model(args, data.tokenizer.vocab_size, device)
     state, saved_training = read_checkpoint(args.init_from, device) if args.init_from is not None else (None, None)
-    if state is not None and not is_tensorized(state):
+    if state is not None and not is_compressed(state):
+        if args.lowrank is not None:
+            raise RuntimeError(f"--init-from {args.init_from}: a dense checkpoint; --lowrank starts its factors anew "
+                               "and would discard it (a --lowrank checkpoint loads)")
         load_checkpoint(model, state, args.init_from)  # before compress: --tt-init svd factors the trained weights
     dense_params, dense_block_params = sum(p.numel() for p in model.parameters()), block_parameters(model)
     compress(model, args)
-    if state is not None and is_tensorized(state):
+    if state is not None and is_compressed(state):
         load_checkpoint(model, state, args.init_from)
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, args, device)
@@ -656,7 +797,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.n_layers} layers, {args.n_heads} heads, qkv {args.qkv}, head {args.head} | backend {args.backend}"
           f"{' + CUDA graphs' if args.cuda_graphs else ''} | device {device}{' (bf16 autocast)' if bf16 else ''}")
     if args.explain:
-        example = data.batch("train", args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+        example = data.sampler(args.batch_size, args.seq_len, seed=args.seed).next_batch()  # the first batch
         with autocast():
             print(cc.explain(compiled, example.to(device), example.to(device)))
 
@@ -665,20 +806,23 @@ def main(argv: list[str] | None = None) -> dict:
            "block_dense_parameters": dense_block_params, "block_parameters": block_parameters(model),
            "param_groups": [{"name": g.get("name"), "lr": g["lr"], "weight_decay": g["weight_decay"],
                              "parameters": sum(p.numel() for p in g["params"])} for g in opt.param_groups],
-           "steps": [], "evals": [], "complete": False}
+           "data": data_log, "train_tokens": data_log["train_tokens"], "val_tokens": data_log["val_tokens"],
+           "tokens_seen": 0, "epochs": 0.0, "steps": [], "evals": [], "complete": False}
     val_batches = data.eval_batches(args.batch_size, args.seq_len, args.eval_batches)
-    generator = torch.Generator().manual_seed(args.seed)
-    first_step = resume_from(saved_training, opt, ranker, generator, args, device)
-    end_step = args.steps if args.stop_after is None else args.stop_after
+    first_step = resume_from(saved_training, opt, ranker, args, device)
+    sampler.seek(first_step)  # the windows of the steps before are the ones a run from step 0 drew
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args.steps, args.log_every, enabled=not args.no_progress)
-    timed_tokens, timed_seconds = 0, 0.0
+    timed_tokens, timed_seconds, train_seconds = 0, 0.0, 0.0
     start = time.perf_counter()
     for step in range(first_step, end_step):
         factor = lr_factor(step, args)
         for group, base in zip(opt.param_groups, base_lrs):
             group["lr"] = base * factor
-        batch = data.batch("train", args.batch_size, args.seq_len, generator).to(device, non_blocking=True)
+        if sampler.batches % sampler.batches_per_epoch == 0 and sampler.batches:
+            progress.write(f"step {step + 1}: epoch {sampler.epoch + 1} of the train split starts (--allow-repeat): "
+                           "its windows again, in a new order")
+        batch = sampler.next_batch().to(device, non_blocking=True)
         t0 = time.perf_counter()
         if args.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -691,6 +835,7 @@ def main(argv: list[str] | None = None) -> dict:
         opt.zero_grad(set_to_none=True)
         loss_value = loss.item()  # synchronizes, so the timing below is the step's real time
         seconds = time.perf_counter() - t0
+        train_seconds += seconds
         if step > first_step:  # the first step includes compilation
             timed_tokens += tokens_per_step
             timed_seconds += seconds
@@ -711,12 +856,15 @@ def main(argv: list[str] | None = None) -> dict:
                                     stage=rank_state["stage"])
             stats.update(ratio=f"{rank_state['compression']:.1f}x", stage=rank_state["stage"])
         progress.update(step, **stats)
+        log.update(tokens_seen=sampler.tokens_seen, epochs=sampler.epochs_seen)
         last = step + 1 == end_step
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
             val_loss = evaluate(model, val_batches, device, autocast)  # eager: no eval graph to compile, nor to
             # recompile after each pruning event
             log["evals"].append({"step": step + 1, "val_loss": val_loss,
-                                 "parameters": sum(p.numel() for p in model.parameters())})
+                                 "parameters": sum(p.numel() for p in model.parameters()),
+                                 "tokens": sampler.tokens_seen, "epochs": sampler.epochs_seen,
+                                 "seconds": time.perf_counter() - start, "train_seconds": train_seconds})
             memory = peak_memory(device)  # so far: a run stopped before the end still reports it
             log.update(peak_memory_bytes=memory["allocated"], peak_memory_reserved_bytes=memory["reserved"])
             progress.write(f"step {step + 1:>5}: train loss {loss_value:.4f}  val loss {val_loss:.4f}  "
@@ -725,7 +873,7 @@ def main(argv: list[str] | None = None) -> dict:
     progress.close()
     finish(log, model, compiled, ranker, data, args, device, time.perf_counter() - start,
            timed_tokens / timed_seconds if timed_seconds else None,
-           lambda: train_state(end_step, opt, ranker, generator, device))
+           lambda: train_state(end_step, opt, ranker, device))
     return log
 
 
@@ -743,6 +891,7 @@ def finish(log: dict, model: nn.Module, compiled: nn.Module, ranker, data: Token
     memory_kind = "GPU memory allocated" if device.type == "cuda" else "RSS"
     rate = f"{tokens_per_s:,.0f} tokens/s" if tokens_per_s else "n/a tokens/s"
     first = "first step (compiling)" if compiled is not model else "first step"
+    print(f"tokens seen: {log['tokens_seen']:,} of {log['train_tokens']:,} train tokens ({log['epochs']:.3f} epochs)")
     print(f"done: {args.steps} steps in {total_s:.1f}s ({first} {log['first_step_s']:.1f}s) | {rate} | "
           f"loss {log['steps'][0]['loss']:.3f} -> {log['steps'][-1]['loss']:.3f} | val {log['val_loss']:.3f} | "
           f"peak {memory_kind} {memory['allocated'] / 2**20:,.0f} MiB | {final_params:,} parameters "

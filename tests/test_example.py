@@ -1,9 +1,11 @@
 """The main example, examples/train_lm.py: a tiny run trains (finite, falling loss) and writes its JSON log."""
 
+import hashlib
 import importlib.util
 import json
 import math
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,222 @@ def test_pruned_checkpoint_reloads_at_its_ranks(tmp_path):
     again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
     assert again["parameters"] == adapted["final_parameters"]
     assert again["steps"][0]["loss"] < adapted["steps"][0]["loss"] - 0.5
+
+
+# ---------------------------------------------------------------------------------- corpus and sampler
+
+
+def _name_pair(prefix: str = "m") -> tuple[str, str]:
+    """Two file names whose sorted order and reading order (sha1 of the name) disagree."""
+    for i in range(100):
+        first, second = f"{prefix}{i}a.py", f"{prefix}{i}b.py"
+        if data._order_key(f"purelib/{second}") < data._order_key(f"purelib/{first}"):
+            return first, second
+    raise AssertionError("no such pair")
+
+
+def test_python_corpus_dedups_by_content_and_skips_what_it_should(tmp_path):
+    """Roots as the python corpus has them: the standard library (with a site-packages inside it and a
+    __pycache__, both skipped) and purelib. Copies of a file are left out, the first in sorted order
+    kept, also when the reading order meets the other copy first, and also when a cap stops before it."""
+    stdlib, pure = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    (stdlib / "pkg").mkdir(parents=True)
+    (stdlib / "__pycache__").mkdir()
+    pure.mkdir()
+    (stdlib / "os2.py").write_text("import sys\n" * 50)
+    (stdlib / "pkg" / "mod.py").write_text("x = 1\n" * 80)
+    (stdlib / "__pycache__" / "cached.py").write_text("no = 1\n")
+    (stdlib / "notes.txt").write_text("not python\n")
+    (pure / "copy_of_os2.py").write_text("import sys\n" * 50)  # a copy of a stdlib file: stdlib's kept
+    first, second = _name_pair()
+    (pure / first).write_text("y = 2\n" * 60)
+    (pure / second).write_text("y = 2\n" * 60)  # read before `first`, but sorted after it: left out
+    for i in range(30):
+        (pure / f"f{i}.py").write_text(f"value_{i} = {i}\n" * (10 + i))
+    roots = {"stdlib": stdlib, "purelib": pure}
+    corpus = data.load_corpus("python", roots=roots)
+    names = [f.name for f in corpus.files]
+    assert "stdlib/os2.py" in names and "purelib/copy_of_os2.py" not in names
+    assert f"purelib/{first}" in names and f"purelib/{second}" not in names
+    assert corpus.duplicates == 2
+    assert not any("cached" in n or "site-packages" in n or n.endswith(".txt") for n in names)
+    assert len(names) == 2 + 1 + 30
+    assert names == sorted(names, key=lambda n: hashlib.sha1(n.encode()).hexdigest())  # the reading order
+    for f in corpus.files:  # the manifest's rows, checked against the files themselves
+        raw = ((stdlib if f.root == "stdlib" else pure) / f.relative).read_bytes()
+        assert (f.sha1, f.bytes) == (hashlib.sha1(raw).hexdigest(), len(raw))
+        assert f.split == ("val" if zlib.crc32(f.name.encode()) % 10_000 < 500 else "train")
+    assert data.read_manifest(corpus.write_manifest(tmp_path / "m.tsv")) == corpus.files
+    assert f"# digest: {corpus.digest}" in (tmp_path / "m.tsv").read_text()
+    # At every cap, also those that stop before `first` is read, `second` stays out (a copy of a file
+    # earlier in sorted order), and each split holds the first files of the whole corpus' split.
+    stopped_before_first = 0
+    for cap in range(100, corpus.num_bytes + 1000, 100):
+        capped = data.load_corpus("python", roots=roots, max_bytes=cap)
+        got = [f.name for f in capped.files]
+        assert f"purelib/{second}" not in got and capped.num_val_files >= 1
+        stopped_before_first += f"purelib/{first}" not in got
+        for split in ("train", "val"):
+            mine = [f for f in capped.files if f.split == split]
+            assert mine == [f for f in corpus.files if f.split == split][:len(mine)]
+    assert stopped_before_first > 0
+
+
+def test_python_corpus_tiny_cap_reads_a_hash_ordered_sample():
+    corpus = data.load_corpus("python", max_bytes=200_000)
+    assert list(corpus.roots)[:2] == ["stdlib", "purelib"]
+    names = [f.name for f in corpus.files]
+    assert names == sorted(names, key=lambda n: hashlib.sha1(n.encode()).hexdigest())
+    assert len({f.sha1 for f in corpus.files}) == len(corpus.files)  # no two files with the same bytes
+    train = sum(f.bytes for f in corpus.files if f.split == "train")
+    val = corpus.num_bytes - train
+    largest = max(f.bytes for f in corpus.files)
+    assert 0.95 * 200_000 <= train <= 0.95 * 200_000 + largest and 0.05 * 200_000 <= val <= 0.05 * 200_000 + largest
+    larger = data.load_corpus("python", max_bytes=2_000_000)
+    assert larger.num_bytes >= 2_000_000
+    # a cap takes the first files of a larger corpus' reading order, split by split
+    for split in ("train", "val"):
+        got = [f for f in corpus.files if f.split == split]
+        assert got == [f for f in larger.files if f.split == split][:len(got)]
+
+
+def test_epoch_sampler_visits_each_window_once_per_epoch():
+    tokens = torch.arange(1003, dtype=torch.int32)
+    sampler = data.EpochSampler(tokens, seq_len=10, batch_size=7, seed=3)
+    assert (sampler.num_windows, sampler.batches_per_epoch) == (100, 14)
+    seen = []
+    for _ in range(14):
+        batch = sampler.next_batch()
+        assert batch.dtype == torch.int64 and batch.shape == (7, 10)
+        starts = batch[:, 0].tolist()
+        assert all(s % 10 == 0 for s in starts)  # windows on the grid: none overlaps another
+        assert torch.equal(batch, torch.stack([torch.arange(s, s + 10) for s in starts]))
+        seen += [s // 10 for s in starts]
+    assert len(set(seen)) == len(seen) == 98 and set(seen) <= set(range(100))  # 2 windows left over
+    assert (sampler.tokens_seen, sampler.epochs_seen) == (980, 0.98)
+    with pytest.raises(data.EpochExhausted, match="--allow-repeat"):
+        sampler.next_batch()
+    again = data.EpochSampler(tokens, 10, 7, seed=3)
+    assert [again.next_indices().tolist() for _ in range(14)] == [seen[i:i + 7] for i in range(0, 98, 7)]
+    other = data.EpochSampler(tokens, 10, 7, seed=4)
+    assert other.next_indices().tolist() != seen[:7]
+    repeat = data.EpochSampler(tokens, 10, 7, seed=3, allow_repeat=True)
+    repeat.seek(14)
+    second = repeat.next_indices().tolist()
+    assert repeat.epoch == 1 and second != seen[:7] and len(set(second)) == 7
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        data.EpochSampler(tokens[:50], 10, 7)
+
+
+SMALL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--device", "cpu", "--no-progress", "--backend",
+         "eager", "--corpus", "stdlib", "--max-corpus-mb", "0.02", "--eval-batches", "1", "--no-cache"]
+
+
+def _expected_tokens(manifest: Path, roots: dict) -> dict:
+    """Byte tokens of each split, counted from the manifest's files on disk: their UTF-8 text (invalid
+    bytes replaced) joined by a blank line."""
+    counts = {"train": [], "val": []}
+    for f in data.read_manifest(manifest):
+        text = (Path(roots[f.root]) / f.relative).read_bytes().decode("utf-8", errors="replace")
+        counts[f.split].append(len(text.encode("utf-8")))
+    return {k: sum(v) + 2 * (len(v) - 1) for k, v in counts.items()}
+
+
+def test_train_lm_reads_each_window_once_and_reports_the_counts(tmp_path, capsys, monkeypatch):
+    drawn = []
+    next_indices = data.EpochSampler.next_indices
+
+    def spy(self):
+        drawn.append(next_indices(self).tolist())
+        return torch.tensor(drawn[-1])
+
+    monkeypatch.setattr(data.EpochSampler, "next_indices", spy)
+    out = tmp_path / "run.json"
+    log = train_lm.main(SMALL + ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--eval-every", "3",
+                                 "--out", str(out)])
+    printed = capsys.readouterr().out
+    windows = [i for batch in drawn for i in batch]
+    assert len(drawn) == 6 and len(set(windows)) == len(windows) == 48
+    manifest = tmp_path / "run.corpus.tsv"  # --no-cache: the manifest goes next to the log
+    assert f"corpus manifest: {manifest}" in printed and log["data"]["manifest"] == str(manifest)
+    want = _expected_tokens(manifest, log["data"]["roots"])
+    assert (log["train_tokens"], log["val_tokens"]) == (want["train"], want["val"])
+    assert f"{want['train']:,} train / {want['val']:,} validation" in printed
+    per_epoch = want["train"] // 32
+    assert log["data"]["train_windows"] == per_epoch and log["data"]["batches_per_epoch"] == per_epoch // 8
+    assert log["tokens_seen"] == 6 * 8 * 32 and log["epochs"] == pytest.approx(48 / per_epoch)
+    assert f"tokens seen: {6 * 8 * 32:,} of {want['train']:,} train tokens ({48 / per_epoch:.3f} epochs)" in printed
+    assert [(e["step"], e["tokens"]) for e in log["evals"]] == [(3, 3 * 256), (6, 6 * 256)]
+    assert json.loads(out.read_text())["data"]["digest"] == log["data"]["digest"]
+
+
+def test_train_lm_stops_past_one_epoch_unless_allowed(capsys):
+    flags = SMALL + ["--batch-size", "64", "--seq-len", "64", "--eval-every", "0"]
+    probe = train_lm.main(flags + ["--steps", "1"])
+    per_epoch = probe["data"]["batches_per_epoch"]
+    with pytest.raises(SystemExit, match="--allow-repeat"):
+        train_lm.main(flags + ["--steps", str(per_epoch + 1)])
+    capsys.readouterr()
+    log = train_lm.main(flags + ["--steps", str(per_epoch + 1), "--allow-repeat"])
+    assert f"epoch 2 of the train split starts" in capsys.readouterr().out
+    assert log["epochs"] > 1 and log["tokens_seen"] == (per_epoch + 1) * 64 * 64
+
+
+# ---------------------------------------------------------------------------------- the low-rank baseline
+
+
+def test_lowrank_linear_computes_the_product_of_its_factors():
+    torch.manual_seed(0)
+    layer = train_lm.LowRankLinear(48, 80, rank=5)
+    layer.reset_parameters(0.02)
+    torch.nn.init.normal_(layer.up.bias)
+    assert sum(p.numel() for p in layer.parameters()) == 5 * (48 + 80) + 80
+    x = torch.randn(3, 7, 48, dtype=torch.float64)
+    a, b = layer.down.weight.double(), layer.up.weight.double()  # [5, 48], [80, 5]
+    dense = torch.einsum("ok,ki->oi", b, a)  # the rank-5 dense map, [80, 48]
+    want = torch.einsum("bti,oi->bto", x, dense) + layer.up.bias.double()
+    torch.testing.assert_close(layer.double()(x), want)
+    assert torch.linalg.matrix_rank(dense) == 5
+    big = train_lm.LowRankLinear(1024, 1024, rank=16)
+    big.reset_parameters(0.02)
+    product = big.up.weight @ big.down.weight
+    assert product.std().item() == pytest.approx(0.02, rel=0.05)  # the dense layer's init std
+    assert big.down.weight.std().item() == pytest.approx((0.02**2 / 16) ** 0.25, rel=0.05)
+
+
+def test_lowrank_flag_factors_every_block_linear():
+    args = train_lm.parse_args(["--preset", "gpu", "--lowrank", "37"])
+    model = train_lm.build_model(args, 16384, device="meta")
+    train_lm.compress(model, args)
+    d, r = 768, 37
+    per_block = 4 * r * (d + d) + r * (d + 4 * d) + 4 * d + r * (4 * d + d) + d + 2 * 2 * d  # + biases, LayerNorms
+    assert train_lm.block_parameters(model) == 6 * per_block
+    lows = [m for m in model.blocks.modules() if isinstance(m, train_lm.LowRankLinear)]
+    linears = [n for n, m in model.blocks.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(lows) == 6 * 6 and len(linears) == 2 * 6 * 6 and all(n.endswith((".down", ".up")) for n in linears)
+    assert {m.down.out_features for m in lows} == {37}
+    assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.tok_emb.weight
+    per_kind = train_lm.parse_args(["--lowrank", "attn=3,mlp=5", "--d-model", "32", "--n-heads", "2"])
+    model = train_lm.build_model(per_kind, 256)
+    train_lm.compress(model, per_kind)
+    assert model.blocks[0].attn.qkv.down.out_features == 3 and model.blocks[0].mlp.fc.down.out_features == 5
+    for bad in (["--lowrank", "8", "--tensorize", "8"], ["--lowrank", "8", "--compress", "attn,tok"],
+                ["--lowrank", "8", "--compress", "head"], ["--lowrank", "attn=8"], ["--lowrank", "default"]):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(bad)
+
+
+def test_lowrank_run_trains_and_its_checkpoint_reloads(tmp_path):
+    ckpt = tmp_path / "low.pt"
+    flags = SMALL + ["--d-model", "64", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--lr", "1e-2",
+                     "--lowrank", "4"]
+    log = train_lm.main(flags + ["--steps", "12", "--save", str(ckpt)])
+    assert log["block_parameters"] < log["block_dense_parameters"] / 5
+    assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
+    again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
+    assert again["steps"][0]["loss"] < log["steps"][0]["loss"] - 0.3  # the trained factors came back
+    dense = tmp_path / "dense.pt"
+    train_lm.main(SMALL + ["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--d-model", "64", "--save",
+                           str(dense)])
+    with pytest.raises(RuntimeError, match="dense checkpoint"):
+        train_lm.main(flags + ["--steps", "1", "--init-from", str(dense)])
