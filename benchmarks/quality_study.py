@@ -5,20 +5,36 @@ trained at equal steps and tokens, side by side on one GPU, collected into a tab
     python benchmarks/quality_study.py --out-dir study --configs first --deadline-s 530   # one GPU call
     python benchmarks/quality_study.py --out-dir study --configs dense,ttm-r32,adapt-r64 --steps 800
     python benchmarks/quality_study.py --out-dir study --timing --configs dense,ttm-r32   # step time, one at a time
+    python benchmarks/quality_study.py --out-dir qb --configs benchmark --lrs 5e-4,1e-3,2e-3 --concurrency 18
     python benchmarks/quality_study.py --out-dir smoke --smoke           # CPU, tiny sizes: checks the pipeline
 
-Runs are separate processes (``--concurrency`` at a time): validation loss does not depend on speed, so
-they share the GPU. A run that needs another's checkpoint (``svd-*`` start from ``dense``) starts when
-that one is done. ``--deadline-s`` stops what is still running in time to write the results: each run
-updates its JSON at every evaluation, so a stopped run reports its last validation loss (marked).
-Step times measured side by side are inflated by the sharing; ``--timing`` runs the configurations
-alone for ``--timing-steps`` steps and the table takes step time and memory from there when present
-(``--trained``: from the models the study saved, e.g. at the ranks rank adaptation ended with).
+The quality benchmark (``--configs benchmark``): dense, dense-iso (a narrower dense model with the total
+parameters of ttm-r32; a second seed, dense-iso-s1), lowrank-iso (each block Linear as two Linears
+``d_in -> r -> d_out``, ``r`` giving the block parameters of ttm-r32), ttm-r32 and tt-r32, each at every
+``--lrs`` learning rate (runs ``NAME@LR``; ``--configs NAME@LR`` adds one), on the ``python`` corpus
+(train_lm's gpu preset: the standard library and the installed packages, 200 MB), every training window
+seen at most once (train_lm stops a run that needs more than one epoch; the study checks before it starts).
+The tables give each configuration at its best learning rate (``(edge)`` when that is the smallest or
+largest tried), the tokens seen and the epochs; the plots the validation loss against steps, tokens and
+seconds (step x the step time measured alone by ``--timing``, where there is one), and the final loss
+against parameters with its Pareto front (``--plot-dir docs --plot-prefix NAME_`` puts them in docs/).
 
-Writes ``<out-dir>/runs/<config>.json`` (train_lm's logs), ``<config>.pt`` (the final models),
-``logs/runs-<config>.txt`` (their output),
-``results.md`` (the table), ``results.json``, and the plots ``val_loss.png``, ``loss_vs_compression.png``
-and ``rank_adaptation.png``.
+Runs are separate processes (``--concurrency`` at a time): validation loss does not depend on speed, so
+they share the GPU. A run that needs another's checkpoint (``svd-*`` start from ``dense``, at the same
+learning rate) starts when that one is done. ``--deadline-s`` stops what is still running in time to
+write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
+validation loss (marked). Step times measured side by side are inflated by the sharing; ``--timing``
+runs each configuration alone (once, whatever ``--lrs`` says) for ``--timing-steps`` steps and the
+tables take step time and memory from there when present (``--trained``: from the models the study
+saved, e.g. at the ranks rank adaptation ended with).
+
+Writes ``<out-dir>/runs/<run>.json`` (train_lm's logs), ``<run>.pt`` (the final models),
+``logs/runs-<run>.txt`` (their output), ``results.md`` (the best-lr table and every run's),
+``results.json`` (every run), ``best.json`` (each configuration at its best lr), ``cache/`` (the tokenizer,
+the tokens and the corpus' manifest), and the plots ``val_loss.png``, ``val_loss_vs_tokens.png``,
+``val_loss_vs_seconds.png``, ``pareto.png``, ``loss_vs_compression.png`` and ``rank_adaptation.png``.
+``--report-only`` makes the tables and plots again from the logs in ``<out-dir>/runs`` and ``timing/``
+(e.g. after copying several calls' folders into one).
 """
 
 from __future__ import annotations
@@ -38,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_LM = ROOT / "examples" / "train_lm.py"
 
 SMOKE_ARGS = ["--device", "cpu", "--precision", "fp32", "--d-model", "128", "--n-layers", "2", "--n-heads", "2",
-              "--vocab-size", "512", "--max-corpus-mb", "1", "--eval-batches", "2", "--backend", "eager"]
+              "--vocab-size", "512", "--corpus", "python", "--max-corpus-mb", "0.2", "--eval-batches", "2",
+              "--backend", "eager"]
 SMOKE_RANK_DIVISOR = 8  # the smoke model is 6x narrower: ranks 16 / 32 / 64 become 2 / 4 / 8
 SMOKE_SIZES = {"steps": 20, "batch_size": 4, "seq_len": 32, "eval_every": 10, "concurrency": 2}
 
@@ -49,6 +66,8 @@ class Config:
 
     ``{ckpt:NAME}`` in ``args`` is the checkpoint of run NAME (which then runs first and saves one).
     ``iso_of``: a dense model as wide as gives the parameter count of run ``iso_of``.
+    ``lowrank_of``: the blocks' Linears as plain low-rank products (``--lowrank R``), ``R`` the rank
+    whose block parameter count is closest to that of run ``lowrank_of``.
     ``match``: ``{kind: run}``: this run's rank for that layer kind is the one whose parameter count
     is closest to the same kind's in that run (e.g. fmt tt against ttm at equal parameters).
     ``target_like``: ``--rank-adapt`` aims at the whole-model compression of that run.
@@ -58,6 +77,7 @@ class Config:
     doc: str
     args: tuple[str, ...] = ()
     iso_of: str | None = None
+    lowrank_of: str | None = None
     match: dict = field(default_factory=dict)
     target_like: str | None = None
     steps_scale: float = 1.0
@@ -73,6 +93,10 @@ CONFIGS: dict[str, Config] = {
     "dense": Config("dense baseline, seed 0"),
     "dense-s1": Config("dense, seed 1 (seed noise)", ("--seed", "1")),
     "dense-iso": Config("dense, narrower: the parameters of ttm-r32", iso_of="ttm-r32"),
+    "dense-iso-s1": Config("dense-iso, seed 1 (init and data order: the seed noise)", ("--seed", "1"),
+                           iso_of="ttm-r32"),
+    "lowrank-iso": Config("blocks as plain low-rank products d_in -> r -> d_out: the block parameters of ttm-r32",
+                          lowrank_of="ttm-r32"),
     "defaults": Config("tensorize_ defaults on every layer (tied head/embedding skipped)",
                        ("--tensorize", "default", "--compress", "attn,mlp,tok,pos,head")),
     # fixed ranks
@@ -136,7 +160,8 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
-GROUPS = {  # two GPU calls of at most 10 minutes each (the rest are extras)
+GROUPS = {  # benchmark: the quality benchmark's rows (with --lrs); first, second: the earlier study's two calls
+    "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "ttm-r32", "tt-r32"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
               "svd-r32"],
     "second": ["adapt-r64-to16", "adapt-r64-g05", "adapt-r64-flops", "tt-r32", "tt-attn", "tt-mlp", "ttm-r32-fused",
@@ -167,17 +192,19 @@ class Sizer:
     def model(self, flags: list[str]):
         args = self.train_lm.parse_args(["--preset", "gpu"] + self.base + flags)
         model = self.train_lm.build_model(args, self.vocab, device="meta")
-        if args.tensorize is not None:
+        if args.tensorize is not None or args.lowrank is not None:
             with _quiet():
                 self.train_lm.compress(model, args)
         return model, args
 
     def counts(self, flags: list[str]) -> dict[str, int]:
-        """``{"total": parameters, kind: TT parameters of that kind}``, remembered per flags."""
+        """``{"total": parameters, "blocks": the transformer blocks', kind: TT parameters of that kind}``,
+        remembered per flags."""
         key = tuple(flags)
         if key not in self._counts:
             model, _ = self.model(flags)
-            counts = {"total": sum(p.numel() for p in model.parameters())}
+            counts = {"total": sum(p.numel() for p in model.parameters()),
+                      "blocks": self.train_lm.block_parameters(model)}
             for lay in self.train_lm.cc.iter_tt_layers(model):
                 kind = self.train_lm.layer_kind(lay.fqn)
                 counts[kind] = counts.get(kind, 0) + sum(p.numel() for p in list(lay.cores) + list(lay.gates))
@@ -204,6 +231,18 @@ class Sizer:
             if best is None or gap < best[0]:
                 best = (gap, shape)
         return best[1]
+
+    def lowrank_rank(self, flags: list[str], target_blocks: int) -> int:
+        """The ``--lowrank`` rank (one for every compressed Linear) whose block parameters are closest
+        to ``target_blocks``."""
+        def count(rank: int) -> int:
+            return self.counts(flags + ["--lowrank", str(rank)])["blocks"]
+
+        lo, hi = 1, 4096
+        while lo < hi:  # parameters grow with the rank: the first rank at or above the target
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if count(mid) < target_blocks else (lo, mid)
+        return min((max(lo - 1, 1), lo), key=lambda r: abs(count(r) - target_blocks))
 
     def matched_rank(self, flags: list[str], kind: str, target: int) -> int:
         """The rank of ``kind`` (others as in ``flags``) whose parameter count is closest to ``target``."""
@@ -263,20 +302,36 @@ class Run:
     status: str = "pending"  # pending, running, done, failed, stopped, skipped
 
 
+def split_name(name: str) -> tuple[str, float | None]:
+    """``"ttm-r32@0.002"`` -> ``("ttm-r32", 0.002)``: a run is a configuration, at a learning rate
+    of its own when the name says one (``--lrs``), else at the preset's."""
+    base, sep, lr = name.partition("@")
+    return base, float(lr) if sep else None
+
+
+def run_name(base: str, lr: float | None) -> str:
+    return base if lr is None else f"{base}@{lr:g}"
+
+
 def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tuple[list[str], list[str]]:
-    """The run's train_lm flags (every special field resolved) and the runs it needs first.
-    Checkpoints go to ``out`` (the timing pass's to ``out/timing``, so they never replace the study's)."""
-    cfg = CONFIGS[name]
+    """The run's train_lm flags (every special field resolved) and the runs it needs first (a
+    checkpoint's run at the same learning rate). Checkpoints go to ``out`` (the timing pass's to
+    ``out/timing``, so they never replace the study's)."""
+    base, lr = split_name(name)
+    cfg = CONFIGS[base]
     out = out / "timing" if opts.timing else out
     flags, needs = [], []
     for arg in _smoke_ranks(cfg.args) if opts.smoke else cfg.args:
         if arg.startswith("{ckpt:"):
-            dep = arg[len("{ckpt:"):-1]
+            dep = run_name(arg[len("{ckpt:"):-1], lr)
             needs.append(dep)
             arg = str(out / f"{dep}.pt")
         flags.append(arg.replace("{out}", str(out)))
     if cfg.iso_of:
         flags += sizer.iso_width(sizer.params(resolve(cfg.iso_of, opts, sizer, out)[0]), flags)
+    if cfg.lowrank_of:
+        target = sizer.counts(resolve(cfg.lowrank_of, opts, sizer, out)[0])["blocks"]
+        flags += ["--lowrank", str(sizer.lowrank_rank(flags, target))]
     for kind, ref in cfg.match.items():
         target = sizer.kind_params(resolve(ref, opts, sizer, out)[0], kind)
         flags = with_rank(flags, kind, sizer.matched_rank(flags, kind, target))
@@ -284,6 +339,8 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
         flags += ["--rank-adapt", f"{sizer.compression(resolve(cfg.target_like, opts, sizer, out)[0]):.4g}"]
     if cfg.steps_scale != 1.0:
         flags += ["--steps", str(max(1, round(opts.steps * cfg.steps_scale)))]
+    if lr is not None:
+        flags += ["--lr", f"{lr:g}"]
     return flags, needs
 
 
@@ -321,7 +378,7 @@ def plan(opts: argparse.Namespace, names: list[str], train_lm) -> list[Run]:
             flags += ["--save", str(trained)]
         elif opts.trained and trained.exists():
             flags += ["--init-from", str(trained)]  # time the model the study ended with (pruned ranks)
-        runs[name] = Run(name, base + flags, needs, CONFIGS[name].doc, out / sub / f"{name}.json",
+        runs[name] = Run(name, base + flags, needs, CONFIGS[split_name(name)[0]].doc, out / sub / f"{name}.json",
                          out / "logs" / f"{sub}-{name}.txt")
     if opts.timing:
         for run in runs.values():
@@ -331,13 +388,14 @@ def plan(opts: argparse.Namespace, names: list[str], train_lm) -> list[Run]:
 
 
 def prepare_data(train_lm, base: list[str]) -> int:
-    """Train the tokenizer and tokenize the corpus once, into the cache the runs read; the vocabulary size."""
+    """Read the corpus, train the tokenizer and tokenize once, into the cache the runs read (the
+    corpus' manifest beside it); check that the study's steps fit in one epoch of the train split
+    (train_lm stops otherwise, unless --allow-repeat is among the shared flags); the vocabulary size."""
     args = train_lm.parse_args(["--preset", "gpu"] + base)
-    max_bytes = int(args.max_corpus_mb * 1e6) if args.max_corpus_mb else None
-    data = train_lm.load_token_data(args.tokenizer, args.vocab_size, max_bytes=max_bytes, cache_dir=args.cache_dir)
-    print(f"data: {data.tokenizer.name} vocabulary {data.tokenizer.vocab_size}, {data.train.numel():,} train / "
-          f"{data.val.numel():,} validation tokens ({'cached' if data.from_cache else 'built'} in {data.cache})",
-          flush=True)
+    data = train_lm.load_data(args)
+    sampler = data.sampler(args.batch_size, args.seq_len, seed=args.seed, allow_repeat=args.allow_repeat)
+    train_lm.plan_epochs(data, sampler, args, args.steps)
+    sys.stdout.flush()
     return data.tokenizer.vocab_size
 
 
@@ -415,11 +473,12 @@ def _clock() -> str:
 
 
 def collect(runs: list[Run], out: Path) -> list[dict]:
-    """One row per run: what its JSON log says (the timing pass's step time and memory when there is one)."""
+    """One row per run: what its JSON log says (the timing pass's step time and memory when there is one:
+    the configuration's, whatever the run's learning rate)."""
     rows = []
     for run in runs:
         log = json.loads(run.json.read_text()) if run.json.exists() else {}
-        timing_path = out / "timing" / f"{run.name}.json"
+        timing_path = out / "timing" / f"{split_name(run.name)[0]}.json"
         timing = json.loads(timing_path.read_text()) if timing_path.exists() and run.json != timing_path else {}
         rows.append(row(run, log, timing))
     return rows
@@ -431,17 +490,29 @@ def row(run: Run, log: dict, timing: dict) -> dict:
     source = timing if timing.get("complete") else log
     params = evals[-1]["parameters"] if evals else log.get("parameters")
     args = log.get("args", {})
+    step_tokens = args.get("batch_size", 0) * args.get("seq_len", 0)
+    step_time = source.get("step_time_s") or _median_step(steps)
+    alone = bool(timing) or run.json.parent.name == "timing"
     return {
-        "config": run.name, "doc": run.doc, "status": run.status, "complete": bool(log.get("complete")),
+        "config": run.name, "base": split_name(run.name)[0], "lr": args.get("lr"), "seed": args.get("seed"),
+        "doc": run.doc, "status": run.status, "complete": bool(log.get("complete")),
         "steps_done": len(steps), "steps": args.get("steps"),
-        "tokens": len(steps) * args.get("batch_size", 0) * args.get("seq_len", 0),
+        "tokens": len(steps) * step_tokens,
+        "tokens_seen": log.get("tokens_seen", len(steps) * step_tokens), "epochs": log.get("epochs"),
+        "train_tokens": log.get("train_tokens"), "val_tokens": log.get("val_tokens"),
+        "corpus": (log.get("data") or {}).get("corpus"), "corpus_digest": (log.get("data") or {}).get("digest"),
         "val_loss": evals[-1]["val_loss"] if evals else None, "eval_step": evals[-1]["step"] if evals else None,
         "evals": [(e["step"], e["val_loss"]) for e in evals],
+        "eval_tokens": [e.get("tokens", e["step"] * step_tokens) for e in evals],
+        # seconds of training at each evaluation: step x the step time measured alone (--timing), else the
+        # run's own step times (side by side with the others: inflated by the sharing)
+        "eval_seconds": [e["step"] * step_time if alone and step_time else e.get("train_seconds", e.get("seconds"))
+                         for e in evals],
         "dense_parameters": log.get("dense_parameters"), "parameters": params,
+        "block_parameters": log.get("final_block_parameters") or log.get("block_parameters"),
         "compression": log["dense_parameters"] / params if params else None,
         "block_compression": log.get("block_compression") or _block_ratio(log),
-        "step_time_s": source.get("step_time_s") or _median_step(steps),
-        "step_time_alone": bool(timing) or run.json.parent.name == "timing",
+        "step_time_s": step_time, "step_time_alone": alone,
         "peak_memory_bytes": source.get("peak_memory_bytes"),
         "peak_memory_reserved_bytes": source.get("peak_memory_reserved_bytes"),
         "first_prune_step": log.get("first_prune_step"), "flags": " ".join(run.flags),
@@ -459,13 +530,78 @@ def _median_step(steps: list[dict]) -> float | None:
     return seconds[len(seconds) // 2] if seconds else None
 
 
+def best_rows(rows: list[dict]) -> list[dict]:
+    """One row per configuration: its run at the learning rate with the lowest final validation loss
+    (among its complete runs; among all when none is complete), with every learning rate's loss."""
+    by_base: dict[str, list[dict]] = {}
+    for r in rows:
+        by_base.setdefault(r["base"], []).append(r)
+    best = []
+    for base, group in by_base.items():
+        scored = [r for r in group if r["val_loss"] is not None]
+        if not scored:
+            continue
+        pool = [r for r in scored if r["complete"]] or scored
+        top = min(pool, key=lambda r: r["val_loss"])
+        lrs = sorted({r["lr"] for r in group if r["lr"] is not None})
+        best.append(dict(top, config=base, run=top["config"], best_lr=top["lr"], runs=len(group),
+                         lr_losses={r["lr"]: r["val_loss"] for r in scored},
+                         lr_complete={r["lr"]: r["complete"] for r in scored},
+                         lr_at_edge=len(lrs) >= 2 and top["lr"] in (lrs[0], lrs[-1])))
+    return best
+
+
+def best_table(best: list[dict]) -> str:
+    refs = {name: next((b for b in best if b["config"] == name), None) for name in ("dense", "dense-iso")}
+    head = ("config", "best lr", "val loss", "vs dense", "vs dense-iso", "val loss at each lr", "parameters",
+            "block parameters", "tokens seen", "epochs", "step ms", "what")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in best:
+        rel = {k: f"{100 * (b['val_loss'] / ref['val_loss'] - 1):+.1f} %" if ref and ref is not b else ""
+               for k, ref in refs.items()}
+        sweep = ", ".join(f"{lr:g}: {loss:.4f}{'' if b['lr_complete'][lr] else ' (stopped)'}"
+                          for lr, loss in sorted(b["lr_losses"].items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+        step = f"{1e3 * b['step_time_s']:.0f}{'' if b['step_time_alone'] else '*'}" if b["step_time_s"] else ""
+        lines.append("| " + " | ".join([
+            b["config"],
+            (f"{b['best_lr']:g}" if b["best_lr"] is not None else "") + (" (edge)" if b["lr_at_edge"] else ""),
+            f"{b['val_loss']:.4f}" + ("" if b["complete"] else f" ({b['status']})"), rel["dense"], rel["dense-iso"],
+            sweep, f"{b['parameters']:,}" if b["parameters"] else "",
+            f"{b['block_parameters']:,}" if b["block_parameters"] else "",
+            f"{b['tokens_seen']:,}" if b["tokens_seen"] else "",
+            f"{b['epochs']:.3f}" if b["epochs"] is not None else "",
+            step, b["doc"]]) + " |")
+    lines += ["", "Each configuration at its best learning rate: the lowest final validation loss of its runs (nats "
+              "per token on the fixed held-out windows). (edge): the best lr is the smallest or largest tried, "
+              "so a wider sweep may do better. epochs: training tokens seen / the train split's windows (each "
+              "window once per epoch)."]
+    noise = seed_noise(best)
+    if noise:
+        lines += ["", noise]
+    return "\n".join(lines)
+
+
+def seed_noise(best: list[dict]) -> str:
+    """The seed-to-seed spread of dense-iso (seeds 0 and 1) at each learning rate both ran."""
+    a, b = (next((x for x in best if x["config"] == n), None) for n in ("dense-iso", "dense-iso-s1"))
+    if not a or not b:
+        return ""
+    common = sorted(set(a["lr_losses"]) & set(b["lr_losses"]), key=lambda lr: lr or 0)
+    parts = [f"{abs(a['lr_losses'][lr] - b['lr_losses'][lr]):.4f} at lr {lr:g}" if lr is not None else
+             f"{abs(a['lr_losses'][lr] - b['lr_losses'][lr]):.4f}" for lr in common]
+    return ("Seed noise (|dense-iso - dense-iso-s1|, same lr): " + ", ".join(parts) +
+            f"; at each one's best lr {abs(a['val_loss'] - b['val_loss']):.4f}.") if parts else ""
+
+
 def table(rows: list[dict]) -> str:
-    dense_row = next((r for r in rows if r["config"] == "dense"), None)
-    dense = dict(dense_row["evals"]) if dense_row else {}  # step -> val loss
+    names = {r["config"]: r for r in rows}
     head = ("config", "val loss", "vs dense", "parameters", "compression", "blocks", "step ms", "peak GiB (alloc / "
-            "reserved)", "steps", "what")
+            "reserved)", "steps", "tokens seen", "epochs", "what")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        dense_row = names.get(run_name("dense", r["lr"])) if "@" in r["config"] else None
+        dense_row = dense_row or names.get("dense")
+        dense = dict(dense_row["evals"]) if dense_row else {}  # step -> val loss
         loss = r["val_loss"]
         ref = dense.get(r["eval_step"])  # dense at the same step (a stopped run may have fewer)
         if dense_row and r["steps"] != dense_row["steps"] and dense_row["complete"]:
@@ -478,12 +614,14 @@ def table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["config"], f"{loss:.4f}" if loss is not None else r["status"], rel,
             f"{r['parameters']:,}" if r["parameters"] else "", _ratio(r["compression"]), _ratio(r["block_compression"]),
-            step, mem, done if r["eval_step"] else r["status"], r["doc"]]) + " |")
+            step, mem, done if r["eval_step"] else r["status"], f"{r['tokens_seen']:,}" if r["tokens_seen"] else "",
+            f"{r['epochs']:.3f}" if r["epochs"] is not None else "", r["doc"]]) + " |")
     lines.append("")
-    lines.append("vs dense: against the dense run's validation loss at the same step (a shorter fine-tune: at its "
-                 "end). step ms: median step time; "
+    lines.append("vs dense: against the dense run (at the same lr when swept) at the same step (a shorter fine-tune: "
+                 "at its end). step ms: median step time; "
                  "* measured side by side with the other runs (inflated by the sharing), otherwise alone (--timing). "
-                 "steps: the step of the last validation / the run's steps.")
+                 "steps: the step of the last validation / the run's steps. tokens seen: training tokens (windows x "
+                 "seq len); epochs: of the train split.")
     return "\n".join(lines)
 
 
@@ -491,7 +629,18 @@ def _ratio(x: float | None) -> str:
     return f"{x:.1f}x" if x else ""
 
 
-def plots(rows: list[dict], out: Path) -> list[Path]:
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (parameters, loss) points no other point beats on both (fewer or as many parameters and a
+    lower loss), by parameters."""
+    front, best = [], math.inf
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def plots(rows: list[dict], out: Path, prefix: str = "") -> list[Path]:
     try:
         import matplotlib
 
@@ -500,6 +649,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     except ImportError:
         print("matplotlib is not installed: no plots")
         return []
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in rows:
@@ -510,7 +660,41 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     ax.set_ylabel("validation loss (nats/token)")
     if ax.lines:
         ax.legend(fontsize=7, ncol=2)
-    written.append(_save(fig, out / "val_loss.png", plt))
+    written.append(_save(fig, out / f"{prefix}val_loss.png", plt))
+
+    best = best_rows(rows)
+    for key, name, label in (("eval_tokens", "val_loss_vs_tokens", "training tokens seen"),
+                             ("eval_seconds", "val_loss_vs_seconds", "seconds of training: step x step time alone "
+                                                                      "(--timing); * side by side, inflated")):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        for b in best:
+            xs, ys = b[key], [loss for _, loss in b["evals"]]
+            if xs and all(x is not None for x in xs):
+                shared = key == "eval_seconds" and not b["step_time_alone"]
+                lr = f" (lr {b['best_lr']:g})" if b["best_lr"] is not None else ""
+                ax.plot(xs, ys, marker=".", lw=1, label=f"{b['config']}{lr}{'*' if shared else ''}",
+                        ls="--" if b["config"].startswith("dense") else "-")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title("each configuration at its best learning rate", fontsize=9)
+        if ax.lines:
+            ax.legend(fontsize=7, ncol=2)
+        written.append(_save(fig, out / f"{prefix}{name}.png", plt))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    points = [(b["parameters"], b["val_loss"]) for b in best if b["parameters"] and b["val_loss"] is not None]
+    for b in best:
+        if b["parameters"] and b["val_loss"] is not None:
+            ax.scatter(b["parameters"], b["val_loss"], s=18)
+            ax.annotate(b["config"], (b["parameters"], b["val_loss"]), fontsize=7)
+    front = pareto_front(points)
+    if front:
+        ax.step(*zip(*front), where="post", lw=1, color="gray", label="Pareto front")
+        ax.legend(fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (whole model)")
+    ax.set_ylabel("final validation loss at the best lr")
+    written.append(_save(fig, out / f"{prefix}pareto.png", plt))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for r in rows:
@@ -520,7 +704,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("compression of the transformer blocks (dense / parameters)")
     ax.set_ylabel("final validation loss")
-    written.append(_save(fig, out / "loss_vs_compression.png", plt))
+    written.append(_save(fig, out / f"{prefix}loss_vs_compression.png", plt))
 
     adaptive = [r for r in rows if r["rank_history"]]
     if adaptive:
@@ -531,7 +715,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("step")
         ax.set_ylabel("whole-model compression")
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / "rank_adaptation.png", plt))
+        written.append(_save(fig, out / f"{prefix}rank_adaptation.png", plt))
     return written
 
 
@@ -545,12 +729,15 @@ def _save(fig, path: Path, plt) -> Path:
 def report(runs: list[Run], opts: argparse.Namespace) -> None:
     out = opts.out_dir
     rows = collect(runs, out)
-    text = table(rows)
+    best = best_rows(rows)
+    text = best_table(best) + "\n\n" + table(rows)
     (out / ("timing.md" if opts.timing else "results.md")).write_text(text + "\n")
     (out / ("timing.json" if opts.timing else "results.json")).write_text(json.dumps(rows, indent=1))
+    if not opts.timing:
+        (out / "best.json").write_text(json.dumps(best, indent=1, default=str))
     print(text)
     if not opts.timing:
-        for path in plots(rows, out):
+        for path in plots(rows, opts.plot_dir or out, opts.plot_prefix):
             print(f"plot: {path}")
 
 
@@ -561,7 +748,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path("study"))
     p.add_argument("--configs", default="all",
-                   help=f"comma-separated names (--list) or groups ({', '.join(GROUPS)}: one GPU call each), or all")
+                   help=f"comma-separated names (--list) or groups ({', '.join(GROUPS)}), or all; NAME@LR: that "
+                        "configuration at that learning rate")
+    p.add_argument("--lrs", type=_lrs, default=None, metavar="LR,LR,...",
+                   help="a learning-rate sweep: every configuration named without @LR runs at each of these "
+                        "(runs NAME@LR); the tables give each configuration at its best")
     p.add_argument("--list", action="store_true", help="print the configurations and their flags, run nothing")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=16)
@@ -577,6 +768,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trained", action="store_true",
                    help="with --timing: start each configuration from the model the study saved "
                         "(<out-dir>/<config>.pt), so a rank-adapted one is timed at its final ranks")
+    p.add_argument("--plot-dir", type=Path, default=None,
+                   help="write the plots here instead of <out-dir>, e.g. docs (with --plot-prefix)")
+    p.add_argument("--plot-prefix", default="", help="prefix of the plots' file names, e.g. quality_benchmark_")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: the table and plots from the JSON logs already in <out-dir>/runs (and timing/), "
                         "e.g. after copying two calls' runs/ into one folder")
@@ -588,29 +782,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     names = []
     for item in (n for n in opts.configs.split(",") if n):
         names += list(CONFIGS) if item == "all" else GROUPS.get(item, [item])
-    names = list(dict.fromkeys(names))
-    unknown = [n for n in names if n not in CONFIGS]
+    try:
+        names = [run_name(*split_name(n)) for n in names]  # NAME@1e-3 -> NAME@0.001
+    except ValueError as error:
+        p.error(f"--configs: a learning rate after @ must be a number ({error})")
+    unknown = [n for n in names if split_name(n)[0] not in CONFIGS]
     if unknown:
         p.error(f"unknown configurations {unknown}; valid: {', '.join(CONFIGS)}")
-    opts.names = names
+    if opts.timing:  # step time does not depend on the learning rate: each configuration once
+        names = [split_name(n)[0] for n in names]
+    elif opts.lrs:
+        names = [m for n in names for m in ([n] if "@" in n else [run_name(n, lr) for lr in opts.lrs])]
+    opts.names = list(dict.fromkeys(names))
     opts.out_dir = opts.out_dir.resolve()  # the runs start in the repository root
     opts.cache_dir = (opts.cache_dir or opts.out_dir / "cache").resolve()
+    opts.plot_dir = opts.plot_dir.resolve() if opts.plot_dir else None
     if opts.timing:
         opts.concurrency = 1
     return opts
 
 
 def logged_runs(opts: argparse.Namespace) -> list[Run]:
-    """The runs whose JSON logs are in ``<out-dir>/runs``, as the study left them."""
-    runs = []
+    """The runs whose JSON logs are in ``<out-dir>/runs``, as the study left them: for a name without
+    @LR, its run and its runs at every learning rate logged (``NAME@*.json``)."""
+    runs, seen = [], set()
     for name in opts.names:
-        path = opts.out_dir / "runs" / f"{name}.json"
-        if path.exists():
+        folder = opts.out_dir / "runs"
+        paths = [folder / f"{name}.json"]
+        if "@" not in name:
+            paths += sorted(folder.glob(f"{name}@*.json"), key=lambda p: split_name(p.stem)[1])
+        for path in paths:
+            if not path.exists() or path in seen:
+                continue
+            seen.add(path)
             log = json.loads(path.read_text())
             flags = [] if "args" not in log else [f"{k}={v}" for k, v in log["args"].items() if v not in (None, False)]
-            runs.append(Run(name, flags, [], CONFIGS[name].doc, path, opts.out_dir / "logs" / f"runs-{name}.txt",
+            runs.append(Run(path.stem, flags, [], CONFIGS[split_name(path.stem)[0]].doc, path,
+                            opts.out_dir / "logs" / f"runs-{path.stem}.txt",
                             status="done" if log.get("complete") else "stopped"))
     return runs
+
+
+def _lrs(text: str) -> list[float]:
+    try:
+        lrs = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected learning rates separated by commas") from None
+    if not lrs or any(lr <= 0 for lr in lrs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive learning rates")
+    return lrs
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -47,7 +47,16 @@ def test_iso_width_and_matched_ranks(tmp_path):
     for other in (rank - 1, rank + 1):  # no other rank is closer to the ttm attention's parameters
         if other >= 1:
             assert abs(got - target) <= abs(sizer.kind_params(study.with_rank(flags, "attn", other), "attn") - target)
+    low, _ = study.resolve("lowrank-iso", opts, sizer, tmp_path)  # plain low-rank at ttm-r32's block parameters
+    low_rank = int(low[low.index("--lowrank") + 1])
+    blocks = sizer.counts(ref)["blocks"]
+    gap = abs(sizer.counts(low)["blocks"] - blocks)
+    for other in (low_rank - 1, low_rank + 1):
+        assert gap <= abs(sizer.counts(low[:-1] + [str(other)])["blocks"] - blocks)
+    assert gap < 0.2 * blocks
     iso, _ = study.resolve("dense-iso", opts, sizer, tmp_path)
+    seed1, _ = study.resolve("dense-iso-s1", opts, sizer, tmp_path)  # the same width, another seed
+    assert seed1 == ["--seed", "1"] + iso
     width = int(iso[iso.index("--d-model") + 1])
     tt_total = sizer.params(ref)
     assert abs(sizer.params(iso) - tt_total) <= abs(sizer.params(iso[:-4] + ["--d-model", str(width + 64), "--n-heads",
@@ -74,3 +83,86 @@ def test_smoke_study_runs_end_to_end(tmp_path):
     again = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "first", "--report-only"])
     assert {r["config"] for r in again} == set(by_name)  # all three are in the group "first"
     assert {r["config"]: r["val_loss"] for r in again} == {n: r["val_loss"] for n, r in by_name.items()}
+
+
+def test_lr_sweep_names_and_the_timing_pass(tmp_path):
+    opts = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "benchmark,ttm-r32@2e-3",
+                             "--lrs", "1e-3,3e-3"])
+    swept = [f"{n}@{lr}" for n in study.GROUPS["benchmark"] for lr in ("0.001", "0.003")]
+    assert opts.names == swept + ["ttm-r32@0.002"]
+    timing = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "benchmark,ttm-r32@2e-3",
+                               "--lrs", "1e-3,3e-3", "--timing"])
+    assert timing.names == study.GROUPS["benchmark"]  # step time does not depend on the lr: each config once
+    with pytest.raises(SystemExit):
+        study.parse_args(["--configs", "ttm-r32@fast"])
+    with pytest.raises(SystemExit):
+        study.parse_args(["--configs", "dense", "--lrs", "1e-3,-1"])
+    # a swept run's row takes step time and memory from its configuration's timing run
+    for sub, name, step_s in (("runs", "ttm-r32@0.002", 0.5), ("timing", "ttm-r32", 0.01)):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        log = {"args": {"lr": 0.002, "batch_size": 4, "seq_len": 32, "steps": 10}, "complete": True,
+               "step_time_s": step_s, "peak_memory_bytes": 1, "evals": [{"step": 10, "val_loss": 3.0, "parameters": 5}],
+               "steps": [], "dense_parameters": 10, "tokens_seen": 1280, "epochs": 0.5}
+        (tmp_path / sub / f"{name}.json").write_text(json.dumps(log))
+    run = study.Run("ttm-r32@0.002", [], [], "", tmp_path / "runs" / "ttm-r32@0.002.json", tmp_path / "x.txt")
+    (got,) = study.collect([run], tmp_path)
+    assert got["step_time_s"] == 0.01 and got["step_time_alone"] and got["lr"] == 0.002
+    assert got["eval_seconds"] == [10 * 0.01] and got["eval_tokens"] == [10 * 4 * 32] and got["epochs"] == 0.5
+
+
+def _row(config, lr, loss, params, complete=True):
+    return {"config": f"{config}@{lr:g}", "base": config, "lr": lr, "val_loss": loss, "complete": complete,
+            "status": "done" if complete else "stopped", "parameters": params, "block_parameters": params // 2,
+            "tokens_seen": 1000, "epochs": 0.1, "step_time_s": 0.01, "step_time_alone": True, "doc": config,
+            "evals": [(10, loss + 1), (20, loss)], "eval_tokens": [500, 1000], "eval_seconds": [0.1, 0.2]}
+
+
+def test_best_lr_per_configuration_pareto_and_seed_noise():
+    rows = [_row("dense", 1e-3, 4.0, 100), _row("dense", 3e-3, 3.9, 100), _row("dense", 1e-2, 3.5, 100, False),
+            _row("dense-iso", 1e-3, 4.2, 30), _row("dense-iso", 3e-3, 4.1, 30), _row("dense-iso", 1e-2, 4.3, 30),
+            _row("dense-iso-s1", 1e-3, 4.25, 30), _row("dense-iso-s1", 3e-3, 4.05, 30),
+            _row("ttm-r32", 1e-3, 4.0, 28), _row("ttm-r32", 3e-3, 4.05, 28), _row("tt-r32", 3e-3, 4.5, 25)]
+    best = {b["config"]: b for b in study.best_rows(rows)}
+    assert (best["dense"]["best_lr"], best["dense"]["val_loss"]) == (3e-3, 3.9)  # the stopped run does not count
+    assert best["dense-iso"]["best_lr"] == 3e-3 and not best["dense-iso"]["lr_at_edge"]
+    assert best["ttm-r32"]["best_lr"] == 1e-3 and best["ttm-r32"]["lr_at_edge"]
+    assert best["dense"]["lr_losses"] == {1e-3: 4.0, 3e-3: 3.9, 1e-2: 3.5}
+    text = study.best_table(list(best.values()))
+    assert "| ttm-r32 | 0.001 (edge) | 4.0000 | +2.6 % | -2.4 % |" in text
+    assert "0.01: 3.5000 (stopped)" in text
+    assert "0.0500 at lr 0.001, 0.0500 at lr 0.003" in study.seed_noise(list(best.values()))
+    points = [(b["parameters"], b["val_loss"]) for b in best.values()]
+    assert study.pareto_front(points) == [(25, 4.5), (28, 4.0), (100, 3.9)]
+
+
+def test_study_stops_before_launching_when_one_epoch_is_too_short(tmp_path):
+    with pytest.raises(SystemExit, match="--allow-repeat"):
+        study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "dense", "--steps", "100000"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_smoke_benchmark_rows_with_an_lr_sweep(tmp_path):
+    """The benchmark's new row (plain low-rank at equal parameters) in an lr sweep, end to end: the
+    best-lr table, tokens seen, epochs and the curves come out."""
+    plots = tmp_path / "docs"
+    rows = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "lowrank-iso", "--lrs", "1e-3,3e-3",
+                       "--steps", "4", "--eval-every", "2", "--plot-dir", str(plots), "--plot-prefix", "qb_"])
+    by_name = {r["config"]: r for r in rows}
+    assert set(by_name) == {"lowrank-iso@0.001", "lowrank-iso@0.003"}
+    for name, r in by_name.items():
+        log = json.loads((tmp_path / "runs" / f"{name}.json").read_text())
+        assert r["complete"], (tmp_path / "logs" / f"runs-{name}.txt").read_text()
+        assert log["args"]["lr"] == float(name.split("@")[1]) and r["lr"] == log["args"]["lr"]
+        assert r["tokens_seen"] == 4 * 4 * 32 and r["eval_tokens"] == [2 * 128, 4 * 128]
+        assert r["epochs"] == pytest.approx(16 / log["data"]["train_windows"]) and r["epochs"] < 1
+        assert log["data"]["corpus"] == "python" and Path(log["data"]["manifest"]).exists()
+    low = json.loads((tmp_path / "runs" / "lowrank-iso@0.001.json").read_text())
+    assert low["args"]["lowrank"] and low["block_parameters"] < low["block_dense_parameters"]
+    best = json.loads((tmp_path / "best.json").read_text())
+    assert [b["config"] for b in best] == ["lowrank-iso"] and len(best[0]["lr_losses"]) == 2
+    assert "| lowrank-iso | 0.00" in (tmp_path / "results.md").read_text()
+    pytest.importorskip("matplotlib")
+    for name in ("val_loss", "val_loss_vs_tokens", "val_loss_vs_seconds", "pareto"):
+        assert (plots / f"qb_{name}.png").stat().st_size > 1000
+    again = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "lowrank-iso", "--report-only"])
+    assert {r["config"] for r in again} == {"lowrank-iso@0.001", "lowrank-iso@0.003"}  # NAME@* from runs/
