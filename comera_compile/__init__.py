@@ -28,7 +28,7 @@ from comera_compile.tensorize import (  # noqa: E402
     tensorize_,
 )
 from comera_compile.tt.planner import plan_tt_embedding, plan_tt_linear  # noqa: E402
-from comera_compile.rank_adaptation import RankAdaptation  # noqa: E402
+from comera_compile.rank_adaptation import RankAdaptation, RankConfig  # noqa: E402
 from comera_compile.tensorize.optim import param_groups  # noqa: E402
 from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from comera_compile.kernels.tt_embedding import tt_embedding  # noqa: E402
@@ -43,6 +43,7 @@ __all__ = [
     "OptionsError",
     "PassContext",
     "RankAdaptation",
+    "RankConfig",
     "Report",
     "RewriteRecord",
     "RewriteRejected",

@@ -123,3 +123,10 @@ def test_the_package_exports_and_keeps_its_old_names():
             assert not name.startswith("_") and hasattr(sub, name), (module, name)
     params = inspect.signature(RankAdaptation).parameters
     assert list(params)[:3] == ["model", "optimizer", "target_compression"] and "config" in params
+
+
+def test_rank_config_is_public_at_the_top_level():
+    import comera_compile as cc
+    from comera_compile.rank_adaptation import RankConfig
+
+    assert cc.RankConfig is RankConfig and "RankConfig" in cc.__all__
