@@ -21,8 +21,8 @@ against parameters with its Pareto front (``--plot-dir docs --plot-prefix NAME_`
 
 Runs are separate processes (``--concurrency`` at a time): validation loss does not depend on speed, so
 they share the GPU. A run that needs another's checkpoint (``svd-*`` start from ``dense``, at the same
-learning rate) starts when that one is done. ``--deadline-s`` stops what is still running in time to
-write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
+learning rate) starts when that one is done. ``--deadline-s`` (counted from the study's start, data
+preparation included) stops what is still running in time to write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
 validation loss (marked). Step times measured side by side are inflated by the sharing; ``--timing``
 runs each configuration alone (once, whatever ``--lrs`` says) for ``--timing-steps`` steps and the
 tables take step time and memory from there when present (``--trained``: from the models the study
@@ -423,7 +423,7 @@ def launch(run: Run, opts: argparse.Namespace) -> None:
 
 def execute(runs: list[Run], opts: argparse.Namespace) -> None:
     """Run everything, ``opts.concurrency`` at a time, each after the runs it needs; stop at the deadline."""
-    deadline = time.monotonic() + opts.deadline_s if opts.deadline_s else None
+    deadline = getattr(opts, "started", time.monotonic()) + opts.deadline_s if opts.deadline_s else None
     by_name = {r.name: r for r in runs}
     while True:
         for run in runs:
@@ -745,6 +745,7 @@ def report(runs: list[Run], opts: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    started = time.monotonic()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path("study"))
     p.add_argument("--configs", default="all",
@@ -760,7 +761,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=13, help="runs at a time on the one GPU (--smoke: 2)")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="stop the runs still going after this many seconds and report what they logged")
+                   help="stop the runs still going this many seconds after the study started (data preparation "
+                        "included) and report what they logged")
     p.add_argument("--extra", default="", help="more train_lm flags for every run, e.g. '--cuda-graphs'")
     p.add_argument("--cache-dir", type=Path, default=None, help="tokenizer cache (default: <out-dir>/cache)")
     p.add_argument("--timing", action="store_true", help="run each configuration alone, --timing-steps steps")
@@ -797,6 +799,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts.out_dir = opts.out_dir.resolve()  # the runs start in the repository root
     opts.cache_dir = (opts.cache_dir or opts.out_dir / "cache").resolve()
     opts.plot_dir = opts.plot_dir.resolve() if opts.plot_dir else None
+    opts.started = started  # --deadline-s counts from here
     if opts.timing:
         opts.concurrency = 1
     return opts

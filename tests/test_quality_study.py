@@ -166,3 +166,19 @@ def test_smoke_benchmark_rows_with_an_lr_sweep(tmp_path):
         assert (plots / f"qb_{name}.png").stat().st_size > 1000
     again = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "lowrank-iso", "--report-only"])
     assert {r["config"] for r in again} == {"lowrank-iso@0.001", "lowrank-iso@0.003"}  # NAME@* from runs/
+
+
+def test_deadline_counts_from_the_study_start(tmp_path):
+    """--deadline-s includes the data preparation before the runs: a study that started long enough ago
+    stops its runs at once (the command must end inside a device call's limit)."""
+    import argparse
+    import subprocess
+    import time
+
+    run = study.Run("dense", [], [], "", tmp_path / "dense.json", tmp_path / "dense.txt", status="running",
+                    started=time.monotonic())
+    run.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    opts = argparse.Namespace(deadline_s=30.0, started=time.monotonic() - 40.0, concurrency=1)
+    begin = time.monotonic()
+    study.execute([run], opts)
+    assert run.status == "stopped" and run.process.poll() is not None and time.monotonic() - begin < 15
