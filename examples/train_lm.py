@@ -22,7 +22,7 @@ Presets set the defaults that flags given on the command line override:
        corpus stdlib (all of it, ~30 MB)
   gpu: d_model 768, 6 layers, 12 heads, separate q/k/v, BPE vocabulary 16384, seq 512, batch 32,
        lr 1e-3, 1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches;
-       corpus python capped at 200 MB (some 50 M train tokens where several GB of packages are installed)
+       corpus python capped at 200 MB (the run prints its token counts)
 
 Compression: --tensorize RANK tensorizes the kinds of layer --compress names (attn, mlp, tok, pos, head;
 default attn,mlp: the transformer blocks). --tensorize, --fmt and --tt-init-std take one value for every
