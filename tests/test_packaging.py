@@ -45,7 +45,9 @@ def test_no_test_asserts_a_wall_clock_time():
     from pathlib import Path
 
     clock = re.compile(r"perf_counter|time\.time\(|time\.monotonic|elapsed_time|do_bench|timeit")
-    allowed = {"test_distributed.py": 2}  # two perf_counter calls that only record phase seconds
+    # test_distributed.py: two perf_counter calls that only record phase seconds; test_quality_study.py:
+    # two start times set in the past to put a study beyond its deadline (nothing asserts a duration)
+    allowed = {"test_distributed.py": 2, "test_quality_study.py": 2}
     offenders = []
     for path in sorted(Path(__file__).parent.rglob("*.py")):
         if path.name == Path(__file__).name:
