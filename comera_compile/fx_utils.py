@@ -25,6 +25,12 @@ class RewriteRejected(RuntimeError):
     """A replacement whose fake output does not match the original's; the rewrite is not made."""
 
 
+class Declined(Exception):
+    """A candidate a pass leaves as it is. Every built-in pass declines by raising it with the reason
+    (naming the node or argument that blocked the rewrite), and records that reason for ``explain``
+    with ``ctx.skip``; the graph is unchanged."""
+
+
 def clean_module_name(name: str) -> str:
     """The user's name of a module from Dynamo's qualified name.
 

@@ -43,11 +43,13 @@ import torch.fx as fx
 
 from comera_compile import matching as M
 from comera_compile.fx_utils import (
+    Declined,
     RewriteRejected,
     autocast_enabled_at,
     checked_replace,
     fake,
     fake_node,
+    inherit_source_meta,
     module_name,
     size_hint,
 )
@@ -63,10 +65,6 @@ if TYPE_CHECKING:  # the pass manager runs the passes; they only name its contex
 KIND = "cce"
 _HIDDEN = object()  # placeholder in a re-applied reshape: the hidden size D replaces the vocabulary size V
 _UPCAST_FROM = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class _Skip(Exception):
-    """A candidate that stays as it is; the message is the reason shown by ``explain``."""
 
 
 @dataclass
@@ -117,14 +115,14 @@ class _Head:
 def _bound(node: fx.Node) -> M.Bound:
     call = M.bind(node)
     if call is None:
-        raise _Skip(f"{M.describe(node)}: its arguments do not fit the known signature")
+        raise Declined(f"{M.describe(node)}: its arguments do not fit the known signature")
     return call
 
 
 def _require(call: M.Bound, *understood: str) -> None:
     problem = call.blocking(*understood)
     if problem is not None:
-        raise _Skip(f"{M.describe(call.node)}: {problem} is not supported by the fused op")
+        raise Declined(f"{M.describe(call.node)}: {problem} is not supported by the fused op")
 
 
 def _strip_transpose(w: Any) -> fx.Node | None:
@@ -150,7 +148,7 @@ def _matrix_weight(w: Any, proj: fx.Node) -> tuple[Any, bool, list[fx.Node]]:
     """The ``[D, V]`` right operand of a matmul as (weight, transposed, nodes to erase)."""
     fw = fake(w)
     if not isinstance(fw, torch.Tensor) or fw.dim() != 2:
-        raise _Skip(f"{M.describe(proj)}: the projection's weight is not a 2-D matrix")
+        raise Declined(f"{M.describe(proj)}: the projection's weight is not a 2-D matrix")
     base = _strip_transpose(w)
     if base is None:
         return w, True, []
@@ -163,7 +161,7 @@ def _projection(node: fx.Node) -> _Projection | None:
         call = _bound(node)
         _require(call, "input", "weight", "bias")
         if getattr(fake(call["weight"]), "ndim", 0) != 2:
-            raise _Skip(f"{M.describe(node)}: the projection's weight is not a 2-D matrix")
+            raise Declined(f"{M.describe(node)}: the projection's weight is not a 2-D matrix")
         return _Projection(node, call["input"], call["weight"], bias=call["bias"])
     if M.is_call(node, M.MATMUL):
         call = _bound(node)
@@ -182,11 +180,11 @@ def _projection(node: fx.Node) -> _Projection | None:
 def _vector_bias(bias: Any, node: fx.Node) -> fx.Node:
     fb, fo = fake(bias), fake(node)
     if not (isinstance(bias, fx.Node) and isinstance(fb, torch.Tensor)):
-        raise _Skip(f"{M.describe(node)}: adds a constant ({bias!r}) to the logits, not a bias vector")
+        raise Declined(f"{M.describe(node)}: adds a constant ({bias!r}) to the logits, not a bias vector")
     if fb.dim() != 1 or not M.same_size(fb.shape[0], fo.shape[-1]):
-        raise _Skip(f"{M.describe(node)}: the added tensor has shape {tuple(fb.shape)}, not a [V] bias")
+        raise Declined(f"{M.describe(node)}: the added tensor has shape {tuple(fb.shape)}, not a [V] bias")
     if fb.dtype != fo.dtype:
-        raise _Skip(f"{M.describe(node)}: the bias ({fb.dtype}) changes the logits' dtype to {fo.dtype}")
+        raise Declined(f"{M.describe(node)}: the bias ({fb.dtype}) changes the logits' dtype to {fo.dtype}")
     return bias
 
 
@@ -196,33 +194,33 @@ def _vector_bias(bias: Any, node: fx.Node) -> fx.Node:
 
 def _dim(value: Any, ndim: int, node: fx.Node) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _Skip(f"{M.describe(node)}: dimension {value!r} is not a constant")
+        raise Declined(f"{M.describe(node)}: dimension {value!r} is not a constant")
     return value % ndim if ndim else 0
 
 
 def _vocab_untouched(node: fx.Node, *dims: int) -> None:
     last = fake(node.args[0] if node.args else node.kwargs["input"]).dim() - 1
     if last in dims:
-        raise _Skip(f"{M.describe(node)} moves or indexes the vocabulary dimension (the last one)")
+        raise Declined(f"{M.describe(node)} moves or indexes the vocabulary dimension (the last one)")
 
 
 def _reshape_args(call: M.Bound, vocab: Any) -> tuple[str, tuple]:
     shape = call["size"] if "size" in call else call["shape"]
     node = call.node
     if not shape or any(not isinstance(s, (int, torch.SymInt, fx.Node)) or isinstance(s, bool) for s in shape):
-        raise _Skip(f"{M.describe(node)}: size={shape!r} is not a shape (a view as another dtype?)")
+        raise Declined(f"{M.describe(node)}: size={shape!r} is not a shape (a view as another dtype?)")
     last = shape[-1]
     if isinstance(last, int) and last == -1:
         return "reshape", tuple(shape)
     if isinstance(last, fx.Node):
         last = fake(last)
     if not M.same_size(last, vocab):
-        raise _Skip(f"{M.describe(node)} merges the vocabulary dimension with others")
+        raise Declined(f"{M.describe(node)} merges the vocabulary dimension with others")
     return "reshape", (*shape[:-1], _HIDDEN)
 
 
 def _row_args(call: M.Bound, vocab: Any) -> tuple[str, tuple]:
-    """(method, args) re-applying the row op ``call`` to ``h``; raises ``_Skip`` if it touches V."""
+    """(method, args) re-applying the row op ``call`` to ``h``; raises ``Declined`` if it touches V."""
     node = call.node
     ndim = fake(call["input"]).dim()
     if M.is_call(node, M.RESHAPE):
@@ -230,7 +228,7 @@ def _row_args(call: M.Bound, vocab: Any) -> tuple[str, tuple]:
     if M.is_call(node, M.FLATTEN):
         start, end = _dim(call["start_dim"], ndim, node), _dim(call["end_dim"], ndim, node)
         if end == ndim - 1 and start < end:
-            raise _Skip(f"{M.describe(node)} flattens the vocabulary dimension into the rows")
+            raise Declined(f"{M.describe(node)} flattens the vocabulary dimension into the rows")
         return "flatten", (start, end)
     if M.is_call(node, M.TRANSPOSE):
         d0, d1 = (_dim(d, ndim, node) for d in list(call.values())[1:3])
@@ -253,18 +251,18 @@ def _row_args_indexing(call: M.Bound, ndim: int) -> tuple[str, tuple]:
     if M.is_call(node, M.SQUEEZE):
         dims = call["dim"]
         if dims is None:
-            raise _Skip(f"{M.describe(node)}: squeeze() without dim= is not supported")
+            raise Declined(f"{M.describe(node)}: squeeze() without dim= is not supported")
         dims = dims if isinstance(dims, (tuple, list)) else [dims]
         _vocab_untouched(node, *[_dim(d, ndim, node) for d in dims])
         return "squeeze", (call["dim"],)
     if M.is_call(node, M.UNSQUEEZE):
         if _dim(call["dim"], ndim + 1, node) == ndim:
-            raise _Skip(f"{M.describe(node)} adds a dimension after the vocabulary dimension")
+            raise Declined(f"{M.describe(node)} adds a dimension after the vocabulary dimension")
         return "unsqueeze", (call["dim"],)
     if M.is_call(node, M.GETITEM):
         _check_index(node, call["index"], ndim)
         return "getitem", (call["index"],)
-    raise _Skip(f"{M.describe(node)} is not a supported row operation")
+    raise Declined(f"{M.describe(node)} is not a supported row operation")
 
 
 def _index_dims(item: Any, node: fx.Node) -> int:
@@ -281,20 +279,20 @@ def _index_dims(item: Any, node: fx.Node) -> int:
             return value.dim()
         if not value.dtype.is_floating_point and not value.dtype.is_complex:
             return 1
-    raise _Skip(f"{M.describe(node)}: index {item!r} is not an int, slice, None, Ellipsis or index tensor")
+    raise Declined(f"{M.describe(node)}: index {item!r} is not an int, slice, None, Ellipsis or index tensor")
 
 
 def _check_index(node: fx.Node, index: Any, ndim: int) -> None:
     """The index leaves the last (vocabulary) dimension whole: ``:``, ``...`` or not indexed at all."""
     items = list(index) if isinstance(index, tuple) else [index]
     if sum(item is Ellipsis for item in items) > 1:
-        raise _Skip(f"{M.describe(node)}: more than one Ellipsis")
+        raise Declined(f"{M.describe(node)}: more than one Ellipsis")
     used = sum(_index_dims(item, node) for item in items if item is not Ellipsis)
     dim = 0
     for item in items:
         width = ndim - used if item is Ellipsis else _index_dims(item, node)
         if dim + width >= ndim and width and not (item is Ellipsis or item == slice(None)):
-            raise _Skip(f"{M.describe(node)} indexes the vocabulary dimension (the last one)")
+            raise Declined(f"{M.describe(node)} indexes the vocabulary dimension (the last one)")
         dim += width
 
 
@@ -312,25 +310,25 @@ def _chain_operand(call: M.Bound, first: str, second: str) -> tuple[fx.Node, Any
                 M.same_size(p, q) for p, q in zip(fx_.shape, fo.shape)):
             if not (isinstance(y, fx.Node) and isinstance(fake(y), torch.Tensor) and fake(y).dim() == fo.dim()):
                 return x, y
-    raise _Skip(f"{M.describe(call.node)} combines two tensors of logits' shape")
+    raise Declined(f"{M.describe(call.node)} combines two tensors of logits' shape")
 
 
 def _number(value: Any, node: fx.Node, what: str) -> float:
     if isinstance(value, fx.Node) or isinstance(value, torch.Tensor):
-        raise _Skip(f"{M.describe(node)} {what} the logits by a tensor, not a Python number")
+        raise Declined(f"{M.describe(node)} {what} the logits by a tensor, not a Python number")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _Skip(f"{M.describe(node)} {what} the logits by {value!r}")
+        raise Declined(f"{M.describe(node)} {what} the logits by {value!r}")
     return float(value)
 
 
 def _value_op(node: fx.Node) -> tuple[fx.Node, tuple]:
-    """(the logits input, (kind, argument)) of a value op; raises ``_Skip`` on anything else."""
+    """(the logits input, (kind, argument)) of a value op; raises ``Declined`` on anything else."""
     fout = fake(node)
     if M.is_call(node, M.CAST):
         src = node.args[0]
         fin = fake(src)
         if fout.dtype != torch.float32 or fin.dtype not in _UPCAST_FROM or fin.device != fout.device:
-            raise _Skip(f"{M.describe(node)}: a cast from {fin.dtype} to {fout.dtype}; only an fp32 upcast "
+            raise Declined(f"{M.describe(node)}: a cast from {fin.dtype} to {fout.dtype}; only an fp32 upcast "
                         "is fused")
         return src, ("upcast", None)
     call = _bound(node)
@@ -338,7 +336,7 @@ def _value_op(node: fx.Node) -> tuple[fx.Node, tuple]:
         _require(call, "input", "other")
         src, bias = _chain_operand(call, "input", "other")
         if fake(src).dtype != fout.dtype:
-            raise _Skip(f"{M.describe(node)}: adding the bias promotes the logits from {fake(src).dtype} "
+            raise Declined(f"{M.describe(node)}: adding the bias promotes the logits from {fake(src).dtype} "
                         f"to {fout.dtype}")
         return src, ("bias", _vector_bias(bias, node))
     if M.is_call(node, M.MUL):
@@ -349,14 +347,14 @@ def _value_op(node: fx.Node) -> tuple[fx.Node, tuple]:
         _require(call, "input", "other")
         divisor = _number(call["other"], node, "divides")
         if divisor == 0.0:
-            raise _Skip(f"{M.describe(node)} divides the logits by zero")
+            raise Declined(f"{M.describe(node)} divides the logits by zero")
         return call["input"], ("div", divisor)
     if M.is_call(node, M.TANH):
         _require(call, "input")
         return call["input"], ("tanh", None)
     if M.is_call(node, M.LOG_SOFTMAX):
         return call["input"], ("log_softmax", _log_softmax_upcast(call))
-    raise _Skip(f"the logits reach the loss through {M.describe(node)}, which the fused op does not compute")
+    raise Declined(f"the logits reach the loss through {M.describe(node)}, which the fused op does not compute")
 
 
 def _log_softmax_upcast(call: M.Bound) -> bool:
@@ -366,10 +364,10 @@ def _log_softmax_upcast(call: M.Bound) -> bool:
     if dim is None:  # torch's implicit dim for the legacy call without dim=
         dim = 0 if fin.dim() in (0, 1, 3) else 1
     if _dim(dim, fin.dim(), node) != fin.dim() - 1:
-        raise _Skip(f"{M.describe(node)}: log_softmax over dim={dim}, not the last (vocabulary) dimension")
+        raise Declined(f"{M.describe(node)}: log_softmax over dim={dim}, not the last (vocabulary) dimension")
     dtype = call["dtype"]
     if dtype is not None and (dtype != torch.float32 or fin.dtype not in _UPCAST_FROM):
-        raise _Skip(f"{M.describe(node)}: dtype={dtype} is not an fp32 upcast")
+        raise Declined(f"{M.describe(node)}: dtype={dtype} is not an fp32 upcast")
     return dtype is not None
 
 
@@ -384,25 +382,25 @@ def _cancel(num: list[float], den: list[float]) -> float:
 
 
 def _fold(values: list[tuple[str, Any, fx.Node]], bias: Any) -> _Values:
-    """The value ops (innermost first) as ``softcap(k * (z + bias))``, or ``_Skip``."""
+    """The value ops (innermost first) as ``softcap(k * (z + bias))``, or ``Declined``."""
     out = _Values(bias=bias)
     scales: dict[str, list[float]] = {"mul": [], "div": []}
     post: dict[str, list[float]] = {"mul": [], "div": []}
     tanh = False
     for kind, arg, node in values:
         if out.log_softmax and kind != "upcast":
-            raise _Skip(f"{M.describe(node)} comes after log_softmax")
+            raise Declined(f"{M.describe(node)} comes after log_softmax")
         if kind == "upcast":
             out.upcast = True
         elif kind == "bias":
             if out.bias is not None or tanh or scales["mul"] or scales["div"]:
-                raise _Skip(f"{M.describe(node)}: a bias added after another bias, a scaling or a tanh")
+                raise Declined(f"{M.describe(node)}: a bias added after another bias, a scaling or a tanh")
             out.bias = arg
         elif kind in ("mul", "div"):
             (post if tanh else scales)[kind].append(arg)
         elif kind == "tanh":
             if tanh:
-                raise _Skip(f"{M.describe(node)}: tanh applied twice")
+                raise Declined(f"{M.describe(node)}: tanh applied twice")
             tanh = True
         else:
             out.log_softmax = True
@@ -410,7 +408,7 @@ def _fold(values: list[tuple[str, Any, fx.Node]], bias: Any) -> _Values:
     if tanh:
         out.softcap = _cancel(post["mul"], post["div"])
         if not out.softcap > 0.0:
-            raise _Skip(f"soft-cap scale {out.softcap} is not positive")
+            raise Declined(f"soft-cap scale {out.softcap} is not positive")
     out.scale = _cancel(scales["mul"] + post["mul"], scales["div"] + post["div"])
     return out
 
@@ -422,7 +420,7 @@ def _fold(values: list[tuple[str, Any, fx.Node]], bias: Any) -> _Values:
 def _only_user(node: fx.Node, user: fx.Node) -> None:
     others = [u for u in node.users if u is not user]
     if others:
-        raise _Skip(f"the logits ({node.name}) have other users ({', '.join(M.describe(u) for u in others)}); "
+        raise Declined(f"the logits ({node.name}) have other users ({', '.join(M.describe(u) for u in others)}); "
                     "left alone: fusing would compute them twice and keep them in memory anyway")
 
 
@@ -433,10 +431,10 @@ def _walk(logits: fx.Node, user: fx.Node, rows: list, values: list) -> tuple[_Pr
     cur = logits
     while True:
         if not isinstance(cur, fx.Node) or cur.op not in ("call_function", "call_method"):
-            raise _Skip(f"the logits come from {M.describe(cur)}, not from a projection in this graph")
+            raise Declined(f"the logits come from {M.describe(cur)}, not from a projection in this graph")
         _only_user(cur, user)
         if M.is_inplace(cur):
-            raise _Skip(f"{M.describe(cur)}: in-place {M.call_name(cur)} on the logits is not supported")
+            raise Declined(f"{M.describe(cur)}: in-place {M.call_name(cur)} on the logits is not supported")
         proj = _projection(cur)
         if proj is not None:
             return proj, chain + [cur, *proj.erase]
@@ -456,10 +454,10 @@ def _step(node: fx.Node, rows: list, values: list) -> Any:
         call = _bound(node)
         fin, fout = fake(call["input"]), fake(node)
         if fin.dim() == 0:
-            raise _Skip(f"{M.describe(node)}: the logits have no vocabulary dimension")
+            raise Declined(f"{M.describe(node)}: the logits have no vocabulary dimension")
         rows.insert(0, _row_args(call, fin.shape[-1]))
         if fout.dim() == 0 or not M.same_size(fin.shape[-1], fout.shape[-1]):
-            raise _Skip(f"{M.describe(node)} changes the vocabulary dimension (the last one)")
+            raise Declined(f"{M.describe(node)} changes the vocabulary dimension (the last one)")
         return call["input"]
     if M.is_call(node, M.LOG_SOFTMAX):  # recorded first: a blocked log_softmax still makes an LM-loss candidate
         values.insert(0, ("log_softmax", False, node))
@@ -473,15 +471,15 @@ def _step(node: fx.Node, rows: list, values: list) -> Any:
 
 def _loss_args(call: M.Bound) -> dict[str, Any]:
     if call["weight"] is not None:
-        raise _Skip(f"{M.describe(call.node)}: class weights (weight=) are not supported by the fused kernel")
+        raise Declined(f"{M.describe(call.node)}: class weights (weight=) are not supported by the fused kernel")
     _require(call, "input", "target", "ignore_index", "reduction", "label_smoothing")
     args = {"reduction": call["reduction"], "ignore_index": call["ignore_index"],
             "label_smoothing": call.get("label_smoothing", 0.0)}
     for key, value in args.items():
         if isinstance(value, fx.Node):
-            raise _Skip(f"{M.describe(call.node)}: {key} is a traced value, not a constant")
+            raise Declined(f"{M.describe(call.node)}: {key} is a traced value, not a constant")
     if args["reduction"] not in ("mean", "sum", "none"):
-        raise _Skip(f"{M.describe(call.node)}: reduction={args['reduction']!r}")
+        raise Declined(f"{M.describe(call.node)}: reduction={args['reduction']!r}")
     return args
 
 
@@ -489,10 +487,10 @@ def _check_loss_input(logits: Any, target: Any) -> None:
     flog, ftgt = fake(logits), fake(target)
     if not isinstance(flog, torch.Tensor) or flog.dim() != 2:
         shape = tuple(flog.shape) if isinstance(flog, torch.Tensor) else flog
-        raise _Skip(f"the loss input has shape {shape}: the fused op needs [N, V] logits "
+        raise Declined(f"the loss input has shape {shape}: the fused op needs [N, V] logits "
                     "(class dimension must be last)")
     if not isinstance(target, fx.Node) or not isinstance(ftgt, torch.Tensor) or ftgt.dtype != torch.int64:
-        raise _Skip("the targets are not class indices (int64); probability targets are not supported")
+        raise Declined("the targets are not class indices (int64); probability targets are not supported")
 
 
 def _match(loss: fx.Node) -> _Head | None:
@@ -511,14 +509,14 @@ def _match(loss: fx.Node) -> _Head | None:
         proj, chain = _walk(call["input"], loss, rows, values)
         args = _loss_args(call)
         _check_loss_input(call["input"], call["target"])
-    except _Skip:
+    except Declined:
         if pattern != "cross_entropy" and not any(v[0] == "log_softmax" for v in values):
             return None  # an nll_loss that is no log_softmax over logits: not an LM head candidate
         raise
     folded = _fold(values, proj.bias)
     if folded.log_softmax != (pattern != "cross_entropy"):
         if pattern == "cross_entropy":
-            raise _Skip("cross_entropy over log_softmax outputs is not fused")
+            raise Declined("cross_entropy over log_softmax outputs is not fused")
         return None
     return _Head(loss, pattern, call["target"], proj, call["input"], rows, folded, chain=chain, **args)
 
@@ -526,17 +524,17 @@ def _match(loss: fx.Node) -> _Head | None:
 def _match_linear_cross_entropy(loss: fx.Node) -> _Head:
     call = _bound(loss)
     if call["weight"] is not None:
-        raise _Skip(f"{M.describe(loss)}: class weights (weight=) are not supported by the fused kernel")
+        raise Declined(f"{M.describe(loss)}: class weights (weight=) are not supported by the fused kernel")
     _require(call, "input", "linear_weight", "target", "linear_bias", "reduction", "ignore_index",
              "label_smoothing")
     h, w, bias = call["input"], call["linear_weight"], call["linear_bias"]
     if getattr(fake(h), "ndim", 0) != 2 or getattr(fake(w), "ndim", 0) != 2:
-        raise _Skip(f"{M.describe(loss)}: input and linear_weight must be 2-D")
+        raise Declined(f"{M.describe(loss)}: input and linear_weight must be 2-D")
     if bias is not None and getattr(fake(bias), "ndim", 0) != 1:
-        raise _Skip(f"{M.describe(loss)}: linear_bias is not a [V] vector")
+        raise Declined(f"{M.describe(loss)}: linear_bias is not a [V] vector")
     ftgt = fake(call["target"])
     if not isinstance(ftgt, torch.Tensor) or ftgt.dtype != torch.int64 or ftgt.dim() != 1:
-        raise _Skip("the targets are not class indices (int64); probability targets are not supported")
+        raise Declined("the targets are not class indices (int64); probability targets are not supported")
     ignore = call["ignore_index"]
     args = {"reduction": call["reduction"], "ignore_index": -100 if ignore is None else ignore,
             "label_smoothing": call["label_smoothing"]}
@@ -562,10 +560,8 @@ class _Emitter:
         try:
             node.meta["example_value"] = fake_node(node)
         except Exception as exc:
-            raise _Skip(f"the replacement does not trace: {M.describe(node)}: {exc}") from exc
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in self.anchor.meta:
-                node.meta[key] = self.anchor.meta[key]
+            raise Declined(f"the replacement does not trace: {M.describe(node)}: {exc}") from exc
+        inherit_source_meta([node], self.anchor)
         return node
 
     def method(self, name: str, *args: Any) -> fx.Node:
@@ -594,7 +590,7 @@ def _hidden_rows(emit: _Emitter, head: _Head) -> fx.Node:
         h = emit.method(method, h, *args)
     fh, flog = fake(h), fake(head.logits)
     if fh.dim() != 2 or not M.same_size(fh.shape[0], flog.shape[0] if flog.dim() else 1):
-        raise _Skip(f"the hidden rows {tuple(fh.shape)} do not line up with the logits {tuple(flog.shape)}")
+        raise Declined(f"the hidden rows {tuple(fh.shape)} do not line up with the logits {tuple(flog.shape)}")
     return h
 
 
@@ -612,7 +608,7 @@ def _options(head: _Head, ctx: PassContext) -> LCEOptions:
                              backward=opts.cce_backward, filter_eps=opts.cce_filter_eps,
                              deterministic=opts.cce_deterministic, memory_budget=opts.cce_memory_budget)
     except (TypeError, ValueError) as exc:
-        raise _Skip(f"the fused op does not take the loss's arguments: {exc}") from exc
+        raise Declined(f"the fused op does not take the loss's arguments: {exc}") from exc
     return options.resolve(_projection_dtype(head))
 
 
@@ -648,11 +644,11 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
     operands = [t for t in (proj.h, proj.weight, proj.bias) if t is not None]
     dtypes = sorted({str(fake(t).dtype) for t in operands})
     if len(dtypes) > 1 and not autocast_enabled_at(proj.node, fake(proj.h).device.type):
-        raise _Skip(f"the projection mixes dtypes {dtypes} outside autocast: eager raises, and so does the "
+        raise Declined(f"the projection mixes dtypes {dtypes} outside autocast: eager raises, and so does the "
                     "original call, which is kept")
     if abs(vals.scale) > 1.0 and dtype != torch.float32:
         # h * k can overflow a 16-bit dtype where eager's k * logits (in fp32 after the upcast) does not.
-        raise _Skip(f"scaling the logits by {vals.scale:g} would be folded into the {dtype} hidden states, where it "
+        raise Declined(f"scaling the logits by {vals.scale:g} would be folded into the {dtype} hidden states, where it "
                     "can overflow; scale the hidden states before the projection instead (that form is fused)")
     h, w, b = _hidden_rows(emit, head), proj.weight, vals.bias
     if vals.scale != 1.0:
@@ -696,7 +692,7 @@ def _check_no_write(head: _Head) -> None:
     hit = M.first_write(M.nodes_between(head.proj.node, head.loss), read)
     if hit is not None:
         writer, value = hit
-        raise _Skip(f"{M.describe(writer)} writes in place into {value.name} (read by the projection "
+        raise Declined(f"{M.describe(writer)} writes in place into {value.name} (read by the projection "
                     f"{M.describe(head.proj.node)}, or a view of what it reads) before the loss: eager formed the "
                     "logits before that write, the fused op would read after it")
 
@@ -714,9 +710,9 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
         options = _options(head, ctx)
         decision = _decide(head, ctx, options)
         if not decision.pays:
-            raise _Skip(decision.reason)
+            raise Declined(decision.reason)
         checked_replace(node, _build(emit, head, ctx, options, decision), erase=head.chain)
-    except (_Skip, RewriteRejected) as reason:
+    except (Declined, RewriteRejected) as reason:
         emit.discard()
         ctx.skip(KIND, str(reason), where)
         return False

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from comera_compile import matching as M
 from comera_compile.fx_utils import (
+    Declined,
     RewriteRejected,
     autocast_enabled_at,
     checked_replace,
@@ -60,10 +61,6 @@ if TYPE_CHECKING:  # the pass manager runs the passes; they only name its contex
 
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
-
-
-class _Decline(Exception):
-    """A site that stays as it is; the message is the reason ``explain`` prints."""
 
 
 @dataclasses.dataclass
@@ -95,7 +92,7 @@ def _spec(w: fx.Node) -> TTSpec:
     try:
         return TTSpec.from_materialize_node(w)
     except (TypeError, ValueError) as exc:
-        raise _Decline(f"{M.describe(w)} does not describe a TT layer: {exc}") from None
+        raise Declined(f"{M.describe(w)} does not describe a TT layer: {exc}") from None
 
 
 def _is_tt(value: Any, materialize: set) -> bool:
@@ -103,7 +100,7 @@ def _is_tt(value: Any, materialize: set) -> bool:
 
 
 def _match(node: fx.Node, materialize: set) -> _Site | None:
-    """The TT site at ``node``, or None when ``node`` does not consume a TT weight (raises _Decline
+    """The TT site at ``node``, or None when ``node`` does not consume a TT weight (raises Declined
     for a TT consumer that cannot be rewritten exactly: every argument is checked)."""
     if node.op not in ("call_function", "call_method") or not any(
             _is_tt(v, materialize) for v in list(node.args) + list(node.kwargs.values())):
@@ -128,7 +125,7 @@ def _match(node: fx.Node, materialize: set) -> _Site | None:
         _understood(call, "input", "weight", "padding_idx")
         w = call["weight"]
         return _Site(node, w, _spec(w), "tt_embedding", call["input"], padding_idx=call["padding_idx"])
-    raise _Decline(f"{M.describe(node)} takes the TT weight in a way the lowering does not handle "
+    raise Declined(f"{M.describe(node)} takes the TT weight in a way the lowering does not handle "
                    "(e.g. as its first operand, or through torch.embedding's raw op)")
 
 
@@ -136,41 +133,41 @@ def _understood(call: M.Bound, *names: str) -> None:
     """Decline a call with an argument the lowering does not reproduce (max_norm=, alpha=, out=, ...)."""
     problem = call.blocking(*names)
     if problem is not None:
-        raise _Decline(f"{M.describe(call.node)}: {problem} is not supported with a tensor-train weight")
+        raise Declined(f"{M.describe(call.node)}: {problem} is not supported with a tensor-train weight")
 
 
 def _check_shapes(site: _Site) -> None:
     spec = site.spec
     rows, cols = spec.rows, spec.cols
     if spec.n_cores < 2:
-        raise _Decline("a single core is its own dense matrix: nothing to contract")
+        raise Declined("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
     if not isinstance(fx_, torch.Tensor) or not isinstance(fw, torch.Tensor):
-        raise _Decline("no fake value for the input or the weight")
+        raise Declined("no fake value for the input or the weight")
     if site.kind == "tt_embedding":
         if spec.transpose:
-            raise _Decline("the TT weight reaches embedding transposed")
+            raise Declined("the TT weight reaches embedding transposed")
         if fx_.dtype not in (torch.int32, torch.int64):
-            raise _Decline(f"indices of dtype {fx_.dtype}")
+            raise Declined(f"indices of dtype {fx_.dtype}")
         if site.padding_idx is not None and not isinstance(site.padding_idx, int):
-            raise _Decline("padding_idx is a traced value, not a constant")
+            raise Declined("padding_idx is a traced value, not a constant")
         return
     in_features = rows if site.x_times_m else cols
     if fx_.dim() < 1 or not fx_.is_floating_point() or fx_.shape[-1] != in_features:
-        raise _Decline(f"the input {tuple(fx_.shape)} is not a floating-point tensor with {in_features} features")
+        raise Declined(f"the input {tuple(fx_.shape)} is not a floating-point tensor with {in_features} features")
     if M.call_name(site.node) in ("addmm", "mm") and fx_.dim() != 2:
-        raise _Decline(f"{M.call_name(site.node)} of a {fx_.dim()}-D input")
+        raise Declined(f"{M.call_name(site.node)} of a {fx_.dim()}-D input")
     if site.bias is not None:
         fb = fake(site.bias)
         out_features = cols if site.x_times_m else rows
         if not isinstance(fb, torch.Tensor) or tuple(fb.shape) != (out_features,):
-            raise _Decline(f"bias of shape {tuple(getattr(fb, 'shape', ()))}; expected ({out_features},)")
+            raise Declined(f"bias of shape {tuple(getattr(fb, 'shape', ()))}; expected ({out_features},)")
     dtypes = {fx_.dtype, fw.dtype} | ({fake(site.bias).dtype} if site.bias is not None else set())
     if len(dtypes) > 1:
         # Outside autocast eager raises on mixed dtypes (fake tensors do not): keep the original call,
         # which raises the same way. Autocast (ambient, or a region of the traced code) mixes them.
         if not autocast_enabled_at(site.node, fx_.device.type):
-            raise _Decline(f"mixed dtypes {sorted(str(d) for d in dtypes)} outside autocast: eager raises, "
+            raise Declined(f"mixed dtypes {sorted(str(d) for d in dtypes)} outside autocast: eager raises, "
                            "and so does the original call, which is kept")
 
 
@@ -180,7 +177,7 @@ def _check_no_write(site: _Site, graph: fx.Graph) -> None:
     not where eager materialized it, so a write in between would change what it reads."""
     hit = M.first_write(graph.nodes, list(site.flats))
     if hit is not None:
-        raise _Decline(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
+        raise Declined(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
                        "the lowering reads them in one batched call ahead of the layer, eager where it "
                        "materialized the weight")
 
@@ -383,7 +380,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             _check_shapes(site)
             _check_no_write(site, graph)
             _plan(site, ctx)
-        except _Decline as reason:
+        except Declined as reason:
             ctx.skip(NAME, str(reason), module_name(node))
             continue
         sites.append(site)

@@ -31,3 +31,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzzers' seed, at the end of every run (``-q`` and CI logs included): the default run is
+    derandomized; ``COMERA_FUZZ_SEED=<int>`` draws other examples and replays them."""
+    seed = os.environ.get("COMERA_FUZZ_SEED")
+    terminalreporter.write_line(
+        "comera fuzzers (cce, cce edges, tensorized models, rank adaptation): "
+        + (f"COMERA_FUZZ_SEED={seed}" if seed else "derandomized (COMERA_FUZZ_SEED=<int> draws other examples)"))
