@@ -181,8 +181,11 @@ def _vector_bias(bias: Any, node: fx.Node) -> fx.Node:
     fb, fo = fake(bias), fake(node)
     if not (isinstance(bias, fx.Node) and isinstance(fb, torch.Tensor)):
         raise Declined(f"{M.describe(node)}: adds a constant ({bias!r}) to the logits, not a bias vector")
-    if fb.dim() != 1 or not M.same_size(fb.shape[0], fo.shape[-1]):
-        raise Declined(f"{M.describe(node)}: the added tensor has shape {tuple(fb.shape)}, not a [V] bias")
+    leading = [n for n in fb.shape[:-1]] if fb.dim() else [0]
+    if (fb.dim() == 0 or fb.dim() > fo.dim() or not M.same_size(fb.shape[-1], fo.shape[-1])
+            or not all(M.same_size(n, 1) for n in leading)):
+        raise Declined(f"{M.describe(node)}: the added tensor has shape {tuple(fb.shape)}, not a [V] bias "
+                       "(or [1, ..., 1, V], as BART's final_logits_bias)")
     if fb.dtype != fo.dtype:
         raise Declined(f"{M.describe(node)}: the bias ({fb.dtype}) changes the logits' dtype to {fo.dtype}")
     return bias
@@ -651,6 +654,8 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
         raise Declined(f"scaling the logits by {vals.scale:g} would be folded into the {dtype} hidden states, where it "
                     "can overflow; scale the hidden states before the projection instead (that form is fused)")
     h, w, b = _hidden_rows(emit, head), proj.weight, vals.bias
+    if b is not None and fake(b).dim() != 1:  # [1, ..., 1, V] broadcast over the rows: the same [V] bias
+        b = emit.method("reshape", b, -1)
     if vals.scale != 1.0:
         h = emit.function(operator.mul, h, vals.scale)
         b = emit.function(operator.mul, b, vals.scale) if b is not None else None

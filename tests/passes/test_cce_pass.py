@@ -611,3 +611,20 @@ def test_mixed_dtype_head_under_autocast_is_fused_and_matches_eager():
     report = cc.explain(fn, h, W, y, options={"inner": "aot_eager", "cce_min_vocab": 0})
     assert [r.kind for r in report.rewrites] == ["cce"], str(report)
     torch.testing.assert_close(report.output, fn(h, W, y), rtol=1e-2, atol=1e-2)
+
+
+def test_bias_of_shape_1_v_is_fused_like_bart():
+    """BART adds ``final_logits_bias`` of shape [1, V] to the logits: the same bias for every row."""
+    report = _against_eager(lambda h, W, b, y: F.cross_entropy((F.linear(h, W) + b.view(1, V)).view(-1, V), y.view(-1)))
+    assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+    assert "bias=yes" in report.rewrites[0].detail
+
+
+def test_bias_that_differs_per_row_is_left_alone():
+    """A [T, V] addend is not one bias for every row: left alone, naming its shape."""
+    def fn(h, W, b, y):
+        per_position = torch.stack([b * (t + 1) for t in range(5)])  # [T=5, V]
+        return F.cross_entropy((F.linear(h, W) + per_position).view(-1, V), y.view(-1))
+
+    report = _against_eager(fn)
+    assert report.rewrites == [] and "not a [V] bias" in _cce_skips(report)[0], _cce_skips(report)
