@@ -628,3 +628,29 @@ def test_bias_that_differs_per_row_is_left_alone():
 
     report = _against_eager(fn)
     assert report.rewrites == [] and "not a [V] bias" in _cce_skips(report)[0], _cce_skips(report)
+
+
+_TORCH_LCE = pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch < 2.13 has no F.linear_cross_entropy")
+
+
+@_TORCH_LCE
+@pytest.mark.parametrize("case", ["bias_smoothing_sum", "ignore_index_none", "module"])
+def test_torch_linear_cross_entropy_with_its_arguments_is_fused_and_matches_eager(case):
+    torch.manual_seed(0)
+    module = nn.LinearCrossEntropyLoss(8, V, bias=True, label_smoothing=0.05) if case == "module" else None
+    fns = {
+        "bias_smoothing_sum": lambda h, W, b, y: F.linear_cross_entropy(
+            h.reshape(-1, 8), W, y.reshape(-1), linear_bias=b, reduction="sum", label_smoothing=0.1),
+        "ignore_index_none": lambda h, W, b, y: F.linear_cross_entropy(
+            h.reshape(-1, 8), W, y.reshape(-1).clamp_min(0), ignore_index=5, reduction="none"),
+        "module": lambda h, W, b, y: module(h.reshape(-1, 8), y.reshape(-1)),
+    }
+    report = _against_eager(fns[case])
+    assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+
+
+@_TORCH_LCE
+def test_torch_linear_cross_entropy_with_class_weights_is_left_alone():
+    w = torch.linspace(0.5, 1.5, V)
+    report = _against_eager(lambda h, W, b, y: F.linear_cross_entropy(h.reshape(-1, 8), W, y.reshape(-1), weight=w))
+    assert report.rewrites == [] and "class weights" in _cce_skips(report)[0], _cce_skips(report)
