@@ -9,11 +9,18 @@ the comera backend, the way to hand a model to transformers' ``Trainer``. Nothin
 transformers: :func:`fused_loss` takes a transformers ``PreTrainedModel`` (found through the already
 imported module that defines it), and :func:`without_logits` works on any ``ModelOutput``-like
 mapping (or ``(loss, logits, ...)`` tuple).
+
+:func:`save_pretrained` / :func:`from_pretrained` save and load a tensorized model: transformers'
+own ``from_pretrained`` builds the dense architecture and drops the TT cores (it reports their keys
+as unexpected and initializes the weights anew), so the TT layout (every layer's format, modes and
+core shapes, i.e. its ranks after any pruning) goes to ``comera_tt.json`` beside ``config.json``.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import sys
 import types
 from collections.abc import Mapping
@@ -26,7 +33,7 @@ from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions
 
-__all__ = ["compile", "fused_loss", "without_logits"]
+__all__ = ["compile", "from_pretrained", "fused_loss", "save_pretrained", "without_logits"]
 
 _PINNED = "_comera_fused_loss_pinned"
 
@@ -187,3 +194,141 @@ def _pin_loss_function(root: nn.Module) -> None:
     except (AttributeError, KeyError):
         return
     root.__dict__[_PINNED] = True
+
+
+TT_FILE = "comera_tt.json"
+_TT_FORMAT = 1
+_TT_MARK = ".parametrizations.weight.0."
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory, **kwargs)`` for a tensorized model, reloadable by
+    :func:`from_pretrained`.
+
+    Writes ``comera_tt.json`` (every TT layer's name, the modules sharing it, format, modes, core
+    shapes and gate sizes: the ranks as they are, after pruning) next to transformers' files. The
+    state_dict holds each TT layer's cores and gates once: a TT shared by several modules
+    (``tied="share"``) is stored under its first module's name only (safetensors refuses tensors
+    shared between modules), and the cores are copied out of their flat Parameter. A model without
+    TT layers is saved as by ``model.save_pretrained``. Keyword arguments go to
+    ``save_pretrained`` (a ``state_dict=`` of your own is not taken).
+    """
+    from comera_compile.tensorize.transform import tt_layout
+
+    root = unwrap_compiled(model)
+    if not callable(getattr(root, "save_pretrained", None)):
+        raise TypeError(f"cc.hf.save_pretrained expects a transformers PreTrainedModel; got {type(root).__name__}")
+    if "state_dict" in kwargs:
+        raise TypeError("cc.hf.save_pretrained builds the state_dict itself; do not pass state_dict=")
+    layout = tt_layout(root)
+    if not layout:
+        root.save_pretrained(save_directory, **kwargs)
+        _remove_tt_file(save_directory)
+        return
+    state = root.state_dict()
+    drop = tuple(f"{other}{_TT_MARK}" for entry in layout for other in entry["shared_with"])
+    prefixes = tuple(f"{entry['fqn']}{_TT_MARK}" for entry in layout)
+    state = {k: (v.detach().clone() if k.startswith(prefixes) else v)
+             for k, v in state.items() if not k.startswith(drop)}
+    root.save_pretrained(save_directory, state_dict=state, **kwargs)
+    if kwargs.get("is_main_process", True):
+        with open(os.path.join(save_directory, TT_FILE), "w") as f:
+            json.dump({"format_version": _TT_FORMAT, "layers": layout}, f, indent=1)
+
+
+def _remove_tt_file(directory: str | os.PathLike) -> None:
+    path = os.path.join(directory, TT_FILE)
+    if os.path.exists(path):  # a stale layout from an earlier tensorized save into the same directory
+        os.remove(path)
+
+
+def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """Load a model :func:`save_pretrained` saved, still tensorized, with the saved ranks.
+
+    ``cls`` is a transformers model class or Auto class (``AutoModelForCausalLM``); the path is a
+    local directory. The architecture is built from its ``config.json`` (``cls.from_config``,
+    keyword arguments such as ``dtype=`` go there), the TT layers of ``comera_tt.json`` are applied
+    with their saved core shapes, and the weights (``model.safetensors``, sharded safetensors, or
+    ``pytorch_model.bin``) are loaded strictly: a missing or unexpected key raises RuntimeError.
+    Weights transformers ties (an LM head sharing the embedding) and modules sharing one TT are
+    filled from the entry they share. The model is returned in eval mode, like transformers'
+    ``from_pretrained``. A directory without ``comera_tt.json`` whose weights hold TT cores (saved
+    by plain ``model.save_pretrained``) raises ValueError saying how to load it.
+    """
+    import transformers
+
+    from comera_compile.tensorize.transform import restore_tt_layout_
+
+    path = os.fspath(pretrained_model_name_or_path)
+    if not os.path.isdir(path):
+        raise ValueError(f"cc.hf.from_pretrained loads a local directory; {path!r} is not one "
+                         "(download it first, e.g. huggingface_hub.snapshot_download)")
+    state = _load_weights(path)
+    tt_path = os.path.join(path, TT_FILE)
+    if not os.path.exists(tt_path):
+        if any(_TT_MARK in k for k in state):
+            raise ValueError(f"{path} holds tensor-train cores but no {TT_FILE}: it was saved by plain "
+                             "model.save_pretrained, which does not record the TT layout. Load it by building "
+                             "the model, cc.tensorize_ with the same config and ranks, then "
+                             "model.load_state_dict(safetensors.torch.load_file(...)); save with "
+                             "cc.hf.save_pretrained next time")
+        layout = []
+    else:
+        with open(tt_path) as f:
+            saved = json.load(f)
+        if saved.get("format_version") != _TT_FORMAT:
+            raise ValueError(f"{tt_path}: format_version {saved.get('format_version')!r} is not {_TT_FORMAT}")
+        layout = saved["layers"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    build = getattr(cls, "from_config", None) or cls._from_config
+    model = build(config, **kwargs)
+    restore_tt_layout_(model, layout)
+    _load_strict(model, state, layout, path)
+    return model.eval()
+
+
+def _load_weights(path: str) -> dict[str, torch.Tensor]:
+    files = os.listdir(path)
+    if "model.safetensors" in files or "model.safetensors.index.json" in files:
+        from safetensors.torch import load_file
+
+        if "model.safetensors" in files:
+            return load_file(os.path.join(path, "model.safetensors"))
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(os.path.join(path, shard)))
+        return state
+    if "pytorch_model.bin" in files:
+        return torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], layout: list[dict], path: str) -> None:
+    """``model.load_state_dict(state, strict=True)``, first filling the keys of shared TTs and tied
+    weights from the entry they share."""
+    state = dict(state)
+    for entry in layout:
+        lead = f"{entry['fqn']}{_TT_MARK}"
+        for other in entry["shared_with"]:
+            for key in [k for k in state if k.startswith(lead)]:
+                state.setdefault(f"{other}{_TT_MARK}{key[len(lead):]}", state[key])
+    expected = model.state_dict(keep_vars=True)
+    by_storage: dict[tuple, list[str]] = {}
+    for key, t in expected.items():
+        if isinstance(t, torch.Tensor) and t.numel() and _TT_MARK not in key:
+            by_storage.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), []).append(key)
+    for keys in by_storage.values():  # tied dense weights: transformers saves one of them
+        present = [k for k in keys if k in state]
+        for key in keys:
+            if key not in state and present:
+                state[key] = state[present[0]]
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise RuntimeError(f"cc.hf.from_pretrained({path!r}): the checkpoint does not match the model built from "
+                           f"its config and {TT_FILE}: missing keys {missing[:8]}"
+                           f"{f' and {len(missing) - 8} more' if len(missing) > 8 else ''}, unexpected keys "
+                           f"{unexpected[:8]}{f' and {len(unexpected) - 8} more' if len(unexpected) > 8 else ''}")
+    model.load_state_dict(state, strict=True)

@@ -14,6 +14,7 @@ import torch
 
 import comera_compile as cc
 from comera_compile.report import collecting
+from comera_compile.tensorize import tt_parametrization
 
 transformers = pytest.importorskip("transformers")
 
@@ -364,3 +365,100 @@ def test_trl_sft_trainer_on_hf_compile_matches_eager(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     kinds = [r.kind for r in report.rewrites]
     assert "cce" not in kinds and kinds.count("tt_linear") >= 3, str(report)
+
+
+# ----------------------------------------------------------------------------------------------
+# cc.hf.save_pretrained / from_pretrained: a tensorized model round-trips, still tensorized
+# ----------------------------------------------------------------------------------------------
+
+
+def _model_class(name: str):
+    return transformers.BertForMaskedLM if name == "bert" else transformers.AutoModelForCausalLM
+
+
+def _tensorized(name: str) -> torch.nn.Module:
+    """``name``'s tiny model, eval mode: GPT-2 with every layer and its tied embedding/head as one TT
+    (tied="share"), the others with their block Linears tensorized."""
+    m = make_model(name).eval()
+    if name == "gpt2":
+        cc.tensorize_(m, cc.TTConfig(rank=4, min_size=0), tied="share")
+    else:
+        cc.tensorize_(m, cc.TTConfig(rank=4, min_size=0, n_cores=3),
+                      filter_fn=lambda mod, fqn: ".layers." in fqn or ".layer." in fqn)
+    return m
+
+
+def _layout(model):
+    from comera_compile.tensorize.transform import tt_layout
+
+    return tt_layout(model)
+
+
+def _logits(model, name):
+    with torch.no_grad():
+        return model(batch(name)[0]).logits
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_save_and_from_pretrained_round_trip_a_tensorized_model_exactly(name, tmp_path):
+    m = _tensorized(name)
+    want, layout = _logits(m, name), _layout(m)
+    assert layout and (name != "gpt2" or any(e["shared_with"] == ["lm_head"] for e in layout))
+    cc.hf.save_pretrained(m, tmp_path)
+    assert (tmp_path / "comera_tt.json").exists() and (tmp_path / "model.safetensors").exists()
+    got = cc.hf.from_pretrained(_model_class(name), tmp_path)
+    assert not got.training
+    assert _layout(got) == layout  # same layers, shared modules, formats, modes and core shapes
+    assert torch.equal(_logits(got, name), want)
+    for a, b in zip(cc.iter_tt_layers(m), cc.iter_tt_layers(got)):
+        assert all(torch.equal(x, y) for x, y in zip(a.cores + a.gates, b.cores + b.gates))
+
+
+def test_round_trip_keeps_pruned_and_per_layer_ranks(tmp_path):
+    m = make_model("llama").eval()
+    cc.tensorize_(m, {"re:.*[.]mlp[.].*": cc.TTConfig(rank=[3, 5], min_size=0, n_cores=3),
+                      "re:.*[.]self_attn[.].*": cc.TTConfig(rank=6, min_size=0, n_cores=3)})
+    # prune: bond 1 of one layer shrinks physically from 6 to 2 (TTParametrization.relayout_)
+    p = tt_parametrization(m.get_submodule("model.layers.0.self_attn.q_proj"))
+    cores, gates = p.positions()
+    cores[0], gates[0], cores[1] = cores[0][..., :2], gates[0][:2], cores[1][:2]
+    p.relayout_(cores, gates)
+    assert p.ranks == [1, 2, 6, 1]
+    want, layout = _logits(m, "llama"), _layout(m)
+    cc.hf.save_pretrained(m, tmp_path)
+    got = cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert tt_parametrization(got.get_submodule("model.layers.0.self_attn.q_proj")).ranks == [1, 2, 6, 1]
+    assert tt_parametrization(got.get_submodule("model.layers.0.mlp.up_proj")).ranks == [1, 3, 5, 1]
+    assert _layout(got) == layout
+    assert torch.equal(_logits(got, "llama"), want)
+
+
+def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = _tensorized("llama")
+    m.save_pretrained(tmp_path / "plain")  # plain save: the cores are in the file, the layout is not
+    with pytest.raises(ValueError, match="cc.hf.save_pretrained"):
+        cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "plain")
+    cc.hf.save_pretrained(m, tmp_path / "tt")
+    path = tmp_path / "tt" / "model.safetensors"
+    state = load_file(path)
+    key = next(k for k in state if k.endswith("parametrizations.weight.0.cores.1"))
+    state["extra.weight"] = state.pop(key)
+    save_file(state, path, metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"missing keys \[.*cores[.]1.*unexpected keys \['extra.weight'\]"):
+        cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "tt")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_dense_export_saves_and_loads_with_plain_transformers(name, tmp_path):
+    m = _tensorized(name)
+    want = _logits(m, name)
+    cc.densify_(m)
+    assert not list(cc.iter_tt_layers(m))
+    m.save_pretrained(tmp_path)
+    got = _model_class(name).from_pretrained(tmp_path)
+    assert torch.equal(_logits(got, name), want)
+    cc.hf.save_pretrained(m, tmp_path)  # no TT layers: a plain save, no comera_tt.json
+    assert not (tmp_path / "comera_tt.json").exists()
+    assert torch.equal(_logits(cc.hf.from_pretrained(_model_class(name), tmp_path), name), want)

@@ -512,3 +512,66 @@ def densify_(model: nn.Module) -> nn.Module:
             _set_dense(module, dense)
     return model
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The TT layout of a model, for checkpoints (cc.hf.save_pretrained / from_pretrained)
+# ----------------------------------------------------------------------------------------------
+
+
+def tt_layout(model: nn.Module) -> list[dict]:
+    """Every tensorized layer of ``model`` as a JSON-able dict: its name, the modules sharing it,
+    its format, modes and the actual core shapes and gate sizes (ranks after any pruning)."""
+    out = []
+    for layer in iter_tt_layers(model):
+        p = layer.param
+        out.append({
+            "fqn": layer.fqn, "shared_with": list(layer.shared_with), "kind": p.kind, "fmt": p.fmt,
+            "row_modes": list(p.row_modes), "col_modes": list(p.col_modes), "rows": p.rows, "cols": p.cols,
+            "transpose": bool(p.transpose), "core_shapes": [list(s) for s in p.core_shapes],
+            "gate_sizes": list(p.gate_sizes), "init": p.init, "init_error": p.init_error, "svd_tol": p.svd_tol,
+            "requires_grad": bool(p.core_flat.requires_grad),
+        })
+    return out
+
+
+def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
+    """Re-apply the TT layers :func:`tt_layout` described to a freshly built ``model`` (same
+    architecture), with the saved shapes; the cores are placeholders (zeros) until a state_dict is
+    loaded. Modules that do not match the description raise ValueError before any layer changes."""
+    model = unwrap_compiled(model)
+    modules = dict(model.named_modules())
+    plans = []
+    for entry in layout:
+        names = [entry["fqn"], *entry.get("shared_with", [])]
+        group = []
+        for name in names:
+            module = modules.get(name)
+            if module is None or _layout(module) is None:
+                raise ValueError(f"restore TT layers: the checkpoint tensorized '{name}', which this model "
+                                 f"{'lacks' if module is None else f'has as a {type(module).__name__}'}")
+            if tt_parametrization(module) is not None:
+                raise ValueError(f"restore TT layers: '{name}' is already tensorized")
+            group.append(module)
+        spec = TTSpec(entry["fmt"], tuple(entry["row_modes"]), tuple(entry["col_modes"]),
+                      tt.chain_ranks(entry["core_shapes"]), int(entry["rows"]), int(entry["cols"]),
+                      bool(entry["transpose"]))
+        want = (spec.cols, spec.rows) if spec.transpose else (spec.rows, spec.cols)
+        shape = tuple(group[0].weight.shape)
+        if shape != want:
+            raise ValueError(f"restore TT layers: '{names[0]}' has a weight of shape {shape}; the checkpoint's TT "
+                             f"layer has {want}")
+        plans.append((entry, spec, group))
+    for entry, spec, group in plans:
+        weight = group[0].weight
+        dtype, device = weight.dtype, weight.device
+        cores = [torch.zeros(s, dtype=dtype, device=device) for s in entry["core_shapes"]]
+        gates = [torch.ones(n, dtype=dtype, device=device) for n in entry["gate_sizes"]]
+        param = TTParametrization(spec, cores, gates, kind=entry["kind"], init=entry["init"],
+                                  init_error=entry.get("init_error"), svd_tol=entry.get("svd_tol"))
+        param.core_flat.requires_grad_(entry.get("requires_grad", True))
+        param.gate_flat.requires_grad_(entry.get("requires_grad", True))
+        for module in group:
+            _register(module, param)
+        param.refit_on_assign = True
+    return model
