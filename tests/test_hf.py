@@ -462,3 +462,13 @@ def test_dense_export_saves_and_loads_with_plain_transformers(name, tmp_path):
     cc.hf.save_pretrained(m, tmp_path)  # no TT layers: a plain save, no comera_tt.json
     assert not (tmp_path / "comera_tt.json").exists()
     assert torch.equal(_logits(cc.hf.from_pretrained(_model_class(name), tmp_path), name), want)
+
+
+def test_round_trip_through_a_sharded_checkpoint(tmp_path):
+    m = _tensorized("gpt2")
+    want, layout = _logits(m, "gpt2"), _layout(m)
+    cc.hf.save_pretrained(m, tmp_path, max_shard_size="4KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    got = cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert _layout(got) == layout
+    assert torch.equal(_logits(got, "gpt2"), want)
