@@ -31,6 +31,7 @@ Example (a pass that only handles a plain ``a + b``)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from dataclasses import dataclass
@@ -44,8 +45,8 @@ __all__ = [
     "ADD", "ADDMM", "CAST", "CROSS_ENTROPY", "DIV", "EMBEDDING", "FLATTEN", "GETITEM", "IDENTITY",
     "LINEAR", "LINEAR_CROSS_ENTROPY", "LOG_SOFTMAX", "MATMUL", "MUL", "NARROW", "NLL_LOSS", "PERMUTE",
     "RESHAPE", "SELECT", "SQUEEZE", "SUB", "TANH", "TRANSPOSE", "UNFLATTEN", "UNSQUEEZE",
-    "Bound", "bind", "call_name", "describe", "first_write", "graph_values", "is_call", "is_inplace", "is_method", "nodes_between",
-    "same_size", "written_inputs",
+    "Bound", "bind", "call_name", "describe", "first_alias", "first_write", "graph_values", "is_call", "is_inplace", "is_method", "nodes_between",
+    "same_size", "writes", "written_inputs",
 ]
 
 
@@ -145,11 +146,29 @@ def _inplace_flag(node: fx.Node) -> bool:
         return True
     if node.op != "call_function" or not callable(node.target):
         return False
+    signature = _signature(node.target)
+    if signature is None or "inplace" not in signature.parameters:
+        return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-    except (TypeError, ValueError):
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:
         return False
     return bound.arguments.get("inplace") is True
+
+
+@functools.lru_cache(maxsize=None)
+def _signature_cached(target: Callable) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+
+
+def _signature(target: Callable) -> inspect.Signature | None:
+    try:
+        return _signature_cached(target)
+    except TypeError:  # an unhashable callable
+        return None
 
 
 def _schema_writes(node: fx.Node) -> list[fx.Node] | None:
@@ -210,26 +229,35 @@ def _storage(value: Any) -> Any:
         return None
 
 
-def first_write(nodes: Iterable[fx.Node], values: Iterable[Any]) -> tuple[fx.Node, fx.Node] | None:
-    """The first of ``nodes`` that writes into one of ``values`` or a view or alias of one (the
-    same memory, by the fake tensors' storages), as ``(writer, written value)``; ``None`` if none does.
-    A node whose writes are unknown (:func:`written_inputs` is ``None``) counts as writing every
-    input it takes."""
-    guarded = [v for v in values if isinstance(v, fx.Node)]
-    storages = {s for s in map(_storage, guarded) if s is not None}
-    plain = {v for v in guarded if _storage(v) is None}
-
-    def aliases(value: fx.Node) -> bool:
-        s = _storage(value)
-        return value in plain or (s is not None and s in storages)
-
+def writes(nodes: Iterable[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """Every ``(writer, written value)`` among ``nodes``, in order. A node whose writes are unknown
+    (:func:`written_inputs` is ``None``) counts as writing every input it takes. A pass that checks
+    many values against one graph scans it once with this and asks :func:`first_alias` of the pairs."""
+    pairs = []
     for node in nodes:
         written = written_inputs(node)
         if written is None:
             written = graph_values(node.args) + graph_values(node.kwargs)
-        for value in written:
-            if aliases(value):
-                return node, value
+        pairs.extend((node, value) for value in written)
+    return pairs
+
+
+def first_write(nodes: Iterable[fx.Node], values: Iterable[Any]) -> tuple[fx.Node, fx.Node] | None:
+    """The first of ``nodes`` that writes into one of ``values`` or a view or alias of one (the
+    same memory, by the fake tensors' storages), as ``(writer, written value)``; ``None`` if none does."""
+    return first_alias(writes(nodes), values)
+
+
+def first_alias(pairs: Iterable[tuple[fx.Node, fx.Node]], values: Iterable[Any]) -> tuple[fx.Node, fx.Node] | None:
+    """The first of the ``(writer, written value)`` pairs (from :func:`writes`) whose written value
+    is one of ``values`` or shares its memory; ``None`` if none is."""
+    guarded = [v for v in values if isinstance(v, fx.Node)]
+    storages = {s for s in map(_storage, guarded) if s is not None}
+    plain = {v for v in guarded if _storage(v) is None}
+    for writer, value in pairs:
+        s = _storage(value)
+        if value in plain or (s is not None and s in storages):
+            return writer, value
     return None
 
 

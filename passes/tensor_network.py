@@ -171,11 +171,11 @@ def _check_shapes(site: _Site) -> None:
                            "and so does the original call, which is kept")
 
 
-def _check_no_write(site: _Site, graph: fx.Graph) -> None:
+def _check_no_write(site: _Site, graph_writes: list[tuple[fx.Node, fx.Node]]) -> None:
     """Decline a site whose flat cores or gates are written in place anywhere in the graph: the
     lowering forms the weight (or its factors) in one batched call before the group's first site,
     not where eager materialized it, so a write in between would change what it reads."""
-    hit = M.first_write(graph.nodes, list(site.flats))
+    hit = M.first_alias(graph_writes, list(site.flats))
     if hit is not None:
         raise Declined(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
                        "the lowering reads them in one batched call ahead of the layer, eager where it "
@@ -370,15 +370,15 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     """Lower every TT site of ``gm`` (see the module doc); returns the number of sites rewritten."""
     materialize = _materialize_targets()
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     sites: list[_Site] = []
+    graph_writes = M.writes(graph.nodes)  # once: every site checks its cores against them
     for node in list(graph.nodes):
         try:
             site = _match(node, materialize)
             if site is None:
                 continue
             _check_shapes(site)
-            _check_no_write(site, graph)
+            _check_no_write(site, graph_writes)
             _plan(site, ctx)
         except Declined as reason:
             ctx.skip(NAME, str(reason), module_name(node))
