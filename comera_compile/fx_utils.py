@@ -186,6 +186,18 @@ def autocast_enabled_at(node: fx.Node, device: str) -> bool:
     return enabled[-1]
 
 
+def check_eager_dtypes(node: fx.Node, operands: Sequence[Any]) -> None:
+    """Raise :class:`Declined` when ``node``'s tensor operands mix dtypes outside autocast: eager
+    raises there (fake tensors do not check), so the original call is kept and raises the same way.
+    Autocast, around the compiled call or in a region of the traced code, mixes them legitimately."""
+    values = [fake(t) for t in operands if t is not None]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    dtypes = sorted({str(v.dtype) for v in tensors})
+    if len(dtypes) > 1 and not autocast_enabled_at(node, tensors[0].device.type):
+        raise Declined(f"mixed dtypes {dtypes} outside autocast: eager raises, and so does the original call, "
+                       "which is kept")
+
+
 def iter_graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[str, fx.GraphModule]]:
     """The graph and every nested higher-order-op subgraph (checkpoint bodies, cond branches...)."""
     yield prefix, gm

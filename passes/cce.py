@@ -45,7 +45,7 @@ from comera_compile import matching as M
 from comera_compile.fx_utils import (
     Declined,
     RewriteRejected,
-    autocast_enabled_at,
+    check_eager_dtypes,
     checked_replace,
     fake,
     fake_node,
@@ -644,11 +644,7 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
            decision: FusedLossDecision) -> fx.Node:
     proj, vals = head.proj, head.values
     dtype = _projection_dtype(head)
-    operands = [t for t in (proj.h, proj.weight, proj.bias) if t is not None]
-    dtypes = sorted({str(fake(t).dtype) for t in operands})
-    if len(dtypes) > 1 and not autocast_enabled_at(proj.node, fake(proj.h).device.type):
-        raise Declined(f"the projection mixes dtypes {dtypes} outside autocast: eager raises, and so does the "
-                    "original call, which is kept")
+    check_eager_dtypes(proj.node, [proj.h, proj.weight, proj.bias])
     if abs(vals.scale) > 1.0 and dtype != torch.float32:
         # h * k can overflow a 16-bit dtype where eager's k * logits (in fp32 after the upcast) does not.
         raise Declined(f"scaling the logits by {vals.scale:g} would be folded into the {dtype} hidden states, where it "

@@ -42,7 +42,7 @@ from comera_compile import matching as M
 from comera_compile.fx_utils import (
     Declined,
     RewriteRejected,
-    autocast_enabled_at,
+    check_eager_dtypes,
     checked_replace,
     erase_unused,
     fake,
@@ -162,13 +162,7 @@ def _check_shapes(site: _Site) -> None:
         out_features = cols if site.x_times_m else rows
         if not isinstance(fb, torch.Tensor) or tuple(fb.shape) != (out_features,):
             raise Declined(f"bias of shape {tuple(getattr(fb, 'shape', ()))}; expected ({out_features},)")
-    dtypes = {fx_.dtype, fw.dtype} | ({fake(site.bias).dtype} if site.bias is not None else set())
-    if len(dtypes) > 1:
-        # Outside autocast eager raises on mixed dtypes (fake tensors do not): keep the original call,
-        # which raises the same way. Autocast (ambient, or a region of the traced code) mixes them.
-        if not autocast_enabled_at(site.node, fx_.device.type):
-            raise Declined(f"mixed dtypes {sorted(str(d) for d in dtypes)} outside autocast: eager raises, "
-                           "and so does the original call, which is kept")
+    check_eager_dtypes(site.node, [site.x, site.w, site.bias])
 
 
 def _check_no_write(site: _Site, graph_writes: list[tuple[fx.Node, fx.Node]]) -> None:
