@@ -44,6 +44,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -66,21 +67,26 @@ class Config:
 
     ``{ckpt:NAME}`` in ``args`` is the checkpoint of run NAME (which then runs first and saves one).
     ``iso_of``: a dense model as wide as gives the parameter count of run ``iso_of``.
-    ``lowrank_of``: the blocks' Linears as plain low-rank products (``--lowrank R``), ``R`` the rank
-    whose block parameter count is closest to that of run ``lowrank_of``.
+    ``lowrank_of``: the blocks' Linears as factored layers (``factor_flag R``: ``--lowrank`` plain
+    low-rank products, ``--btt`` block tensor-trains), ``R`` the rank whose block parameter count is
+    closest to that of run ``lowrank_of``.
     ``match``: ``{kind: run}``: this run's rank for that layer kind is the one whose parameter count
     is closest to the same kind's in that run (e.g. fmt tt against ttm at equal parameters).
     ``target_like``: ``--rank-adapt`` aims at the whole-model compression of that run.
     ``steps_scale``: a fraction of the study's steps (fine-tuning from a checkpoint).
+    ``lrs``: the configuration's own learning-rate sweep (``--lrs grid``), centred where earlier runs
+    put its best.
     """
 
     doc: str
     args: tuple[str, ...] = ()
     iso_of: str | None = None
     lowrank_of: str | None = None
+    factor_flag: str = "--lowrank"
     match: dict = field(default_factory=dict)
     target_like: str | None = None
     steps_scale: float = 1.0
+    lrs: tuple[float, ...] = ()
 
 
 TTM = ("--fmt", "ttm")
@@ -88,25 +94,37 @@ TTM = ("--fmt", "ttm")
 # the study's rank-adaptive runs prune every 200 steps.
 ADAPT = ("--rank-adapt-options", '{"prune_every": 200}')
 EMB_STD = ("--tt-init-std", "emb=0.02")  # the dense model's embedding init (tensorize_'s default for Embedding is 1)
+# Learning-rate sweeps (--lrs grid), factor 2 apart, at batch 32 x 512: the wide dense model learns best
+# lowest; the narrower and the factored ones higher (earlier one-epoch runs: dense 6e-4, dense-iso 1e-3,
+# ttm-r32 3e-3 at the edge, tt 3e-3 diverged).
+WIDE_LRS = (3e-4, 6e-4, 1.2e-3)
+NARROW_LRS = (6e-4, 1.2e-3, 2.4e-3)
+FACTORED_LRS = (1.2e-3, 2.4e-3, 4.8e-3)
 CONFIGS: dict[str, Config] = {
     # the baselines
-    "dense": Config("dense baseline, seed 0"),
+    "dense": Config("dense baseline, seed 0", lrs=WIDE_LRS),
     "dense-s1": Config("dense, seed 1 (seed noise)", ("--seed", "1")),
-    "dense-iso": Config("dense, narrower: the parameters of ttm-r32", iso_of="ttm-r32"),
+    "dense-iso": Config("dense, narrower: the parameters of ttm-r32", iso_of="ttm-r32", lrs=NARROW_LRS),
     "dense-iso-s1": Config("dense-iso, seed 1 (init and data order: the seed noise)", ("--seed", "1"),
-                           iso_of="ttm-r32"),
+                           iso_of="ttm-r32", lrs=NARROW_LRS),
     "lowrank-iso": Config("blocks as plain low-rank products d_in -> r -> d_out: the block parameters of ttm-r32",
-                          lowrank_of="ttm-r32"),
+                          lowrank_of="ttm-r32", lrs=FACTORED_LRS),
+    "cola-iso": Config("lowrank-iso with SiLU between the factors (CoLA's low-rank activation)",
+                       ("--lowrank-act", "silu"), lowrank_of="ttm-r32", lrs=FACTORED_LRS),
+    "btt-iso": Config("blocks as two-core block tensor-trains (BTT; rank 1: Monarch): the block parameters of "
+                      "ttm-r32", lowrank_of="ttm-r32", factor_flag="--btt",
+                      lrs=FACTORED_LRS),
     "defaults": Config("tensorize_ defaults on every layer (tied head/embedding skipped)",
                        ("--tensorize", "default", "--compress", "attn,mlp,tok,pos,head")),
     # fixed ranks
     "ttm-r16": Config("blocks ttm rank 16", ("--tensorize", "16") + TTM),
-    "ttm-r32": Config("blocks ttm rank 32", ("--tensorize", "32") + TTM),
+    "ttm-r32": Config("blocks ttm rank 32", ("--tensorize", "32") + TTM, lrs=FACTORED_LRS),
     "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM),
     "tt-r32": Config("blocks tt rank 32", ("--tensorize", "32", "--fmt", "tt")),
     # rank adaptation
     "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r32 (RankAdaptation defaults, pruning every "
-                        "200 steps)", ("--tensorize", "64") + TTM + ADAPT, target_like="ttm-r32"),
+                        "200 steps)", ("--tensorize", "64") + TTM + ADAPT, target_like="ttm-r32",
+                        lrs=FACTORED_LRS),
     "adapt-r64-g05": Config("adapt-r64 with gamma 0.5 (half the default push)",
                             ("--tensorize", "64", "--rank-adapt-options", '{"gamma": 0.5, "prune_every": 200}') + TTM,
                             target_like="ttm-r32"),
@@ -127,7 +145,7 @@ CONFIGS: dict[str, Config] = {
     "tt-mlp": Config("attention ttm, MLP tt: parameters of ttm-r32 per kind",
                      ("--tensorize", "32", "--fmt", "attn=ttm,mlp=tt"), match={"mlp": "ttm-r32"}),
     "tt-all": Config("blocks tt: parameters of ttm-r32 per kind", ("--tensorize", "32", "--fmt", "tt"),
-                     match={"attn": "ttm-r32", "mlp": "ttm-r32"}),
+                     match={"attn": "ttm-r32", "mlp": "ttm-r32"}, lrs=NARROW_LRS),
     "ttm-r32-fused": Config("ttm-r32 with one fused qkv projection", ("--tensorize", "32", "--qkv", "fused") + TTM),
     # embeddings
     "ttm-r32+pos": Config("ttm-r32 and the position table (ttm, init std 0.02)",
@@ -161,7 +179,8 @@ CONFIGS: dict[str, Config] = {
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
 GROUPS = {  # benchmark: the quality benchmark's rows (with --lrs); first, second: the earlier study's two calls
-    "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "ttm-r32", "tt-r32"],
+    "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
+                  "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
               "svd-r32"],
     "second": ["adapt-r64-to16", "adapt-r64-g05", "adapt-r64-flops", "tt-r32", "tt-attn", "tt-mlp", "ttm-r32-fused",
@@ -192,7 +211,7 @@ class Sizer:
     def model(self, flags: list[str]):
         args = self.train_lm.parse_args(["--preset", "gpu"] + self.base + flags)
         model = self.train_lm.build_model(args, self.vocab, device="meta")
-        if args.tensorize is not None or args.lowrank is not None:
+        if args.tensorize is not None or args.lowrank is not None or args.btt is not None:
             with _quiet():
                 self.train_lm.compress(model, args)
         return model, args
@@ -232,11 +251,11 @@ class Sizer:
                 best = (gap, shape)
         return best[1]
 
-    def lowrank_rank(self, flags: list[str], target_blocks: int) -> int:
-        """The ``--lowrank`` rank (one for every compressed Linear) whose block parameters are closest
-        to ``target_blocks``."""
+    def lowrank_rank(self, flags: list[str], target_blocks: int, flag: str = "--lowrank") -> int:
+        """The rank of ``flag`` (``--lowrank`` or ``--btt``, one for every compressed Linear) whose block
+        parameters are closest to ``target_blocks``."""
         def count(rank: int) -> int:
-            return self.counts(flags + ["--lowrank", str(rank)])["blocks"]
+            return self.counts(flags + [flag, str(rank)])["blocks"]
 
         lo, hi = 1, 4096
         while lo < hi:  # parameters grow with the rank: the first rank at or above the target
@@ -331,7 +350,7 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
         flags += sizer.iso_width(sizer.params(resolve(cfg.iso_of, opts, sizer, out)[0]), flags)
     if cfg.lowrank_of:
         target = sizer.counts(resolve(cfg.lowrank_of, opts, sizer, out)[0])["blocks"]
-        flags += ["--lowrank", str(sizer.lowrank_rank(flags, target))]
+        flags += [cfg.factor_flag, str(sizer.lowrank_rank(flags, target, cfg.factor_flag))]
     for kind, ref in cfg.match.items():
         target = sizer.kind_params(resolve(ref, opts, sizer, out)[0], kind)
         flags = with_rank(flags, kind, sizer.matched_rank(flags, kind, target))
@@ -380,9 +399,13 @@ def plan(opts: argparse.Namespace, names: list[str], train_lm) -> list[Run]:
             flags += ["--init-from", str(trained)]  # time the model the study ended with (pruned ranks)
         runs[name] = Run(name, base + flags, needs, CONFIGS[split_name(name)[0]].doc, out / sub / f"{name}.json",
                          out / "logs" / f"{sub}-{name}.txt")
-    if opts.timing:
+    if opts.timing:  # compile side by side, then time each alone (train_lm --barrier)
+        shutil.rmtree(out / "timing" / "barrier", ignore_errors=True)  # an earlier pass's arrivals
+        warmup = max(1, min(10, opts.timing_steps // 4))
         for run in runs.values():
-            run.flags += ["--steps", str(opts.timing_steps), "--eval-every", "0", "--eval-batches", "1"]
+            run.flags += ["--steps", str(opts.timing_steps), "--eval-every", "0", "--eval-batches", "1",
+                          "--barrier", str(out / "timing" / "barrier"), "--barrier-parties", str(len(runs)),
+                          "--barrier-step", str(warmup)]
     return sorted(runs.values(), key=lambda r: (not any(r.name in o.needs for o in runs.values()), names.index(r.name)
                                                 if r.name in names else -1))
 
@@ -429,6 +452,10 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
         for run in runs:
             if run.status == "running" and run.process.poll() is not None:
                 run.status = "done" if run.process.returncode == 0 else "failed"
+                if opts.timing:  # a run that ended before the barrier (failed) keeps no one waiting there
+                    barrier = opts.out_dir / "timing" / "barrier"
+                    barrier.mkdir(parents=True, exist_ok=True)
+                    (barrier / f"ready-ended-{run.name}").touch()
                 print(f"[{_clock()}] {run.status} {run.name} ({time.monotonic() - run.started:.0f}s)", flush=True)
         for run in runs:
             if run.status == "pending" and any(by_name[n].status in ("failed", "skipped", "stopped")
@@ -751,9 +778,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="all",
                    help=f"comma-separated names (--list) or groups ({', '.join(GROUPS)}), or all; NAME@LR: that "
                         "configuration at that learning rate")
-    p.add_argument("--lrs", type=_lrs, default=None, metavar="LR,LR,...",
+    p.add_argument("--lrs", type=_lrs, default=None, metavar="LR,LR,...|grid",
                    help="a learning-rate sweep: every configuration named without @LR runs at each of these "
-                        "(runs NAME@LR); the tables give each configuration at its best")
+                        "(runs NAME@LR), or with 'grid' at its own sweep (--list shows them); the tables give "
+                        "each configuration at its best")
     p.add_argument("--list", action="store_true", help="print the configurations and their flags, run nothing")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=16)
@@ -794,14 +822,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.timing:  # step time does not depend on the learning rate: each configuration once
         names = [split_name(n)[0] for n in names]
     elif opts.lrs:
-        names = [m for n in names for m in ([n] if "@" in n else [run_name(n, lr) for lr in opts.lrs])]
+        if opts.lrs == "grid":
+            gridless = [n for n in names if "@" not in n and not CONFIGS[n].lrs]
+            if gridless:
+                p.error(f"--lrs grid: {gridless} have no sweep of their own; name them NAME@LR or give --lrs LR,...")
+
+        def sweep(name: str) -> list[float]:
+            return list(CONFIGS[name].lrs) if opts.lrs == "grid" else opts.lrs
+
+        names = [m for n in names for m in ([n] if "@" in n else [run_name(n, lr) for lr in sweep(n)])]
     opts.names = list(dict.fromkeys(names))
     opts.out_dir = opts.out_dir.resolve()  # the runs start in the repository root
     opts.cache_dir = (opts.cache_dir or opts.out_dir / "cache").resolve()
     opts.plot_dir = opts.plot_dir.resolve() if opts.plot_dir else None
     opts.started = started  # --deadline-s counts from here
-    if opts.timing:
-        opts.concurrency = 1
+    if opts.timing:  # every run at once: they compile side by side, then take the GPU in turn (--barrier)
+        opts.concurrency = len(opts.names)
     return opts
 
 
@@ -826,7 +862,9 @@ def logged_runs(opts: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def _lrs(text: str) -> list[float]:
+def _lrs(text: str) -> list[float] | str:
+    if text == "grid":
+        return text
     try:
         lrs = [float(x) for x in text.split(",") if x]
     except ValueError:
@@ -847,7 +885,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     runs = plan(opts, opts.names, train_lm)
     if opts.list:
         for run in runs:
-            print(f"{run.name:16} {run.doc}\n{'':16} {' '.join(run.flags)}")
+            grid = CONFIGS[split_name(run.name)[0]].lrs
+            lrs = f" (--lrs grid: {', '.join(f'{lr:g}' for lr in grid)})" if grid else ""
+            print(f"{run.name:16} {run.doc}{lrs}\n{'':16} {' '.join(run.flags)}")
         return []
     start = time.monotonic()
     execute(runs, opts)

@@ -6,6 +6,7 @@
     python examples/train_lm.py --preset gpu                       # d_model 768, 6 layers, BPE 16k, bf16 (one GPU)
     python examples/train_lm.py --preset gpu --tensorize 32 --fmt ttm      # TT-matrix blocks of rank 32
     python examples/train_lm.py --preset gpu --lowrank 37                  # blocks as plain rank-37 products
+    python examples/train_lm.py --preset gpu --btt 1                       # blocks as Monarch (BTT rank 1) matrices
 
 The model is written the way users write one (pre-LN blocks, causal attention through
 F.scaled_dot_product_attention, a tied LM head and F.cross_entropy on shifted logits): the backend finds
@@ -28,7 +29,9 @@ Compression: --tensorize RANK tensorizes the kinds of layer --compress names (at
 default attn,mlp: the transformer blocks). --tensorize, --fmt and --tt-init-std take one value for every
 kind or KIND=VALUE pairs, e.g. --tensorize attn=32,mlp=16 --fmt attn=tt,mlp=ttm,emb=ttm (emb: tok and pos).
 The plain low-rank baseline: --lowrank RANK replaces each Linear of the --compress kinds (attn, mlp; head
-when untied) by two Linears, d_in -> RANK -> d_out, with no nonlinearity between.
+when untied) by two Linears, d_in -> RANK -> d_out, with no nonlinearity between (--lowrank-act silu puts
+one there: CoLA's low-rank activation). --btt RANK replaces them by two-core block tensor-trains (Monarch
+at rank 1), two batched GEMMs.
 """
 
 from __future__ import annotations
@@ -129,18 +132,31 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+ACTIVATIONS = {"none": None, "silu": F.silu, "gelu": F.gelu}  # --lowrank-act
+
+
 class LowRankLinear(nn.Module):
-    """A Linear of rank ``rank``: ``up(down(x))``, ``d_in -> rank -> d_out``, no nonlinearity between
-    (the bias, if any, on ``up``). The dense map it computes is ``up.weight @ down.weight``."""
+    """A Linear of rank ``rank``: ``up(act(down(x)))``, ``d_in -> rank -> d_out`` (the bias, if any, on
+    ``up``). With ``act="none"`` (the plain low-rank baseline) the dense map it computes is
+    ``up.weight @ down.weight``; with ``"silu"`` or ``"gelu"`` the layer is CoLA's low-rank activation
+    (Liu et al. 2025: a nonlinearity in the bottleneck), no longer a linear map."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, act: str = "none"):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+        self.act = act
         self.down = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.up = nn.Linear(rank, out_features, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(self.down(x))
+        h = self.down(x)
+        fn = ACTIVATIONS[self.act]
+        return self.up(h if fn is None else fn(h))
+
+    def extra_repr(self) -> str:
+        return f"act={self.act}"
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -152,6 +168,69 @@ class LowRankLinear(nn.Module):
         nn.init.normal_(self.up.weight, std=factor_std)
         if self.up.bias is not None:
             nn.init.zeros_(self.up.bias)
+
+
+def near_sqrt_factor(n: int) -> int:
+    """The divisor of ``n`` closest to its square root in ratio (the larger of two equally close)."""
+    from fractions import Fraction  # exact: 24 and 32 are equally close to sqrt(768)
+
+    return min((d for d in range(1, n + 1) if n % d == 0),
+               key=lambda d: (Fraction(max(d * d, n), min(d * d, n)), -d))
+
+
+class BTTLinear(nn.Module):
+    """A Linear as a two-core block tensor-train of rank ``rank`` (BTT, Qiu et al. 2024; Monarch at rank 1).
+
+    The input splits into ``b1 x b2`` (``b1`` blocks), the output into ``c x a`` (``c`` blocks), each near
+    the square root. Core ``R`` ``[b1, b2, c * rank]`` maps each input block's ``b2`` entries to ``c * rank``
+    values; core ``L`` ``[c, b1 * rank, a]`` maps, for each output block, the ``b1 * rank`` values routed to
+    it to its ``a`` outputs: two batched GEMMs, ``2 * tokens * (R.numel() + L.numel())`` FLOPs. The dense
+    weight is ``W[(c, a), (b1, b2)] = sum_k L[c, (b1, k), a] * R[b1, b2, (c, k)]`` (:meth:`dense_weight`);
+    it is full-rank in general, even at rank 1."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.b1 = near_sqrt_factor(in_features)
+        self.b2 = in_features // self.b1
+        self.c = near_sqrt_factor(out_features)
+        self.a = out_features // self.c
+        self.R = nn.Parameter(torch.empty(self.b1, self.b2, self.c * rank, device=device, dtype=dtype))
+        self.L = nn.Parameter(torch.empty(self.c, self.b1 * rank, self.a, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters(GPT.INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        n = x.numel() // self.in_features
+        t = torch.bmm(x.reshape(n, self.b1, self.b2).transpose(0, 1), self.R)  # [b1, n, c * rank]
+        t = t.view(self.b1, n, self.c, self.rank).permute(2, 1, 0, 3).reshape(self.c, n, self.b1 * self.rank)
+        y = torch.bmm(t, self.L).transpose(0, 1).reshape(*lead, self.out_features)  # [c, n, a] -> [..., c * a]
+        return y if self.bias is None else y + self.bias
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``[out_features, in_features]`` weight this layer applies."""
+        R = self.R.view(self.b1, self.b2, self.c, self.rank)
+        L = self.L.view(self.c, self.b1, self.rank, self.a)
+        return torch.einsum("cjka,jbck->cajb", L, R).reshape(self.out_features, self.in_features)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        """Each core N(0, g^2 / fan_in), its fan-in ``b2`` for ``R`` and ``b1 * rank`` for ``L``, with
+        ``g = (std^2 * in_features) ** 0.25``: the output then has the variance a dense layer of init std
+        ``std`` gives it; the bias zero."""
+        gain = (std**2 * self.in_features) ** 0.25
+        nn.init.normal_(self.R, std=gain / math.sqrt(self.b2))
+        nn.init.normal_(self.L, std=gain / math.sqrt(self.b1 * self.rank))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features} -> {self.out_features}, rank={self.rank}, "
+                f"blocks in {self.b1}x{self.b2}, out {self.c}x{self.a}")
 
 
 class GPT(nn.Module):
@@ -209,9 +288,13 @@ def layer_kind(fqn: str) -> str | None:
     return None
 
 
-def lowrank_(model: nn.Module, ranks: dict, kinds: tuple[str, ...]) -> list[str]:
-    """Replace each ``nn.Linear`` of the given kinds by a :class:`LowRankLinear` of its kind's rank
-    (from :func:`per_kind`), started at the model's init std; returns the names replaced."""
+def lowrank_(model: nn.Module, ranks: dict, kinds: tuple[str, ...], act: str = "none",
+             structure: str = "lowrank") -> list[str]:
+    """Replace each ``nn.Linear`` of the given kinds by a :class:`LowRankLinear` (``structure="lowrank"``,
+    with ``act`` between its factors) or a :class:`BTTLinear` (``"btt"``) of its kind's rank (from
+    :func:`per_kind`), started at the model's init std; returns the names replaced."""
+    if structure not in ("lowrank", "btt"):
+        raise ValueError(f"structure must be 'lowrank' or 'btt', got {structure!r}")
     replaced = []
     for fqn, module in list(model.named_modules()):
         kind = layer_kind(fqn)
@@ -220,9 +303,12 @@ def lowrank_(model: nn.Module, ranks: dict, kinds: tuple[str, ...]) -> list[str]
         rank = for_kind(ranks, kind)
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        low = LowRankLinear(module.in_features, module.out_features, rank, bias=module.bias is not None,
-                            device=module.weight.device, dtype=module.weight.dtype)
-        low.reset_parameters(GPT.INIT_STD)
+        where = dict(bias=module.bias is not None, device=module.weight.device, dtype=module.weight.dtype)
+        if structure == "btt":
+            low = BTTLinear(module.in_features, module.out_features, rank, **where)
+        else:
+            low = LowRankLinear(module.in_features, module.out_features, rank, act=act, **where)
+            low.reset_parameters(GPT.INIT_STD)
         setattr(parent, child, low)
         replaced.append(fqn)
     return replaced
@@ -352,6 +438,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the plain low-rank baseline: each Linear of the --compress kinds (attn, mlp; head when "
                         "untied) as two Linears d_in -> RANK -> d_out (no nonlinearity), each factor started so "
                         "their product has the dense init's std; or per kind: attn=32,mlp=48")
+    g.add_argument("--lowrank-act", choices=sorted(ACTIVATIONS), default="none",
+                   help="with --lowrank: a nonlinearity between the two factors (silu: CoLA's low-rank "
+                        "activation); default none, the plain low-rank baseline")
+    g.add_argument("--btt", type=per_kind(_rank, "RANK"), default=None, metavar="RANK",
+                   help="each Linear of the --compress kinds (attn, mlp; head when untied) as a two-core block "
+                        "tensor-train of this rank (BTT; rank 1 is a Monarch matrix): two batched GEMMs, blocks "
+                        "near the square root of each side; or per kind: attn=1,mlp=2")
     g.add_argument("--tied", choices=["skip", "share", "untie"], default="skip",
                    help="tensorize_(tied=...) for the tied token embedding and head: skip (stay dense), share "
                         "(one TT for both), untie (a TT each)")
@@ -390,6 +483,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log-every", type=int, default=None, help="without tqdm: print a line every N steps")
     g.add_argument("--sample-tokens", type=int, default=0, help="after training, print this many sampled tokens")
     g.add_argument("--no-progress", action="store_true", help="plain lines instead of a tqdm progress bar")
+    g.add_argument("--barrier", type=Path, default=None, metavar="DIR",
+                   help="time this run alone among --barrier-parties runs sharing a GPU: each compiles and warms "
+                        "up side by side, waits at --barrier-step until all are there, then takes the GPU in turn "
+                        "(a lock in DIR) for its remaining steps; the step time is the median of those")
+    g.add_argument("--barrier-parties", type=int, default=1, help="runs meeting at --barrier")
+    g.add_argument("--barrier-step", type=int, default=10, help="steps before the barrier (compile, warm-up)")
     g.add_argument("--out", type=Path, default=None,
                    help="write a JSON log (per-step loss, evals, sizes, step time, memory) here, updated at every eval")
     preset = p.parse_known_args(argv)[0].preset
@@ -409,19 +508,28 @@ def _default_cache_dir() -> Path:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rank_adapt is not None and args.tensorize is None:
         p.error("--rank-adapt needs --tensorize RANK")
-    if args.lowrank is not None:
-        if args.tensorize is not None:
-            p.error("--lowrank and --tensorize are two ways to compress the same layers: give one")
-        if "default" in args.lowrank.values():
-            p.error("--lowrank needs a number for its rank")
+    given = [f"--{name}" for name in ("tensorize", "lowrank", "btt") if getattr(args, name) is not None]
+    if len(given) > 1:
+        p.error(f"{' and '.join(given)} are ways to compress the same layers: give one")
+    if args.lowrank_act != "none" and args.lowrank is None:
+        p.error("--lowrank-act needs --lowrank RANK")
+    for flag in ("lowrank", "btt"):
+        ranks = getattr(args, flag)
+        if ranks is None:
+            continue
+        if "default" in ranks.values():
+            p.error(f"--{flag} needs a number for its rank")
         embeddings = [k for k in args.compress if k in ("tok", "pos")]
         if embeddings or ("head" in args.compress and args.head == "tied"):
-            p.error(f"--lowrank factors Linear layers: --compress {','.join(args.compress)} names embeddings "
+            p.error(f"--{flag} factors Linear layers: --compress {','.join(args.compress)} names embeddings "
                     "(or the head tied to the token embedding; --head untied makes it a Linear of its own)")
-        missing = [k for k in args.compress if for_kind(args.lowrank, k) is None]
+        missing = [k for k in args.compress if for_kind(ranks, k) is None]
         if missing:
-            p.error(f"--lowrank gives no rank for the compressed kinds {missing} "
+            p.error(f"--{flag} gives no rank for the compressed kinds {missing} "
                     f"(--compress {','.join(args.compress)})")
+    if args.barrier is not None and not (args.barrier_parties >= 1 and 1 <= args.barrier_step < args.steps):
+        p.error(f"--barrier needs --barrier-parties >= 1 and --barrier-step in 1..--steps - 1 ({args.steps - 1}), "
+                f"got {args.barrier_parties} and {args.barrier_step}")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
         p.error(f"--stop-after must be a step in 1..--steps ({args.steps}), got {args.stop_after}")
     if (args.rank_adapt_options or args.rank_plot) and args.rank_adapt is None:
@@ -496,11 +604,15 @@ def tt_configs(model: nn.Module, args: argparse.Namespace) -> dict:
 
 def compress(model: nn.Module, args: argparse.Namespace) -> None:
     """Tensorize (or factor, --lowrank) before the optimizer is built, so it sees the new parameters."""
-    if args.lowrank is not None:
+    if args.lowrank is not None or args.btt is not None:
+        structure = "lowrank" if args.lowrank is not None else "btt"
+        rank_of = args.lowrank if args.lowrank is not None else args.btt
         before = block_parameters(model)
-        replaced = lowrank_(model, args.lowrank, args.compress)
-        ranks = sorted({for_kind(args.lowrank, layer_kind(f)) for f in replaced})
-        print(f"lowrank: {len(replaced)} Linear layers of {','.join(args.compress)} as d_in -> r -> d_out products "
+        replaced = lowrank_(model, rank_of, args.compress, act=args.lowrank_act, structure=structure)
+        ranks = sorted({for_kind(rank_of, layer_kind(f)) for f in replaced})
+        what = ("two-core block tensor-trains" if structure == "btt" else
+                f"d_in -> r -> d_out products{'' if args.lowrank_act == 'none' else ' with ' + args.lowrank_act}")
+        print(f"{structure}: {len(replaced)} Linear layers of {','.join(args.compress)} as {what} "
               f"(r {', '.join(map(str, ranks))}); block parameters {before:,} -> {block_parameters(model):,}")
         return
     if args.tensorize is None:
@@ -606,8 +718,9 @@ def resume_from(state: dict | None, opt: torch.optim.Optimizer, ranker, args: ar
 
 
 def is_compressed(state: dict) -> bool:
-    """A checkpoint of a tensorized (or --lowrank) model: it loads after :func:`compress`."""
-    return any(".parametrizations.weight." in key or key.endswith((".down.weight", ".up.weight")) for key in state)
+    """A checkpoint of a tensorized (or --lowrank, --btt) model: it loads after :func:`compress`."""
+    return any(".parametrizations.weight." in key or key.endswith((".down.weight", ".up.weight", ".R", ".L"))
+               for key in state)
 
 
 def load_checkpoint(model: nn.Module, state: dict, path: Path) -> None:
@@ -618,7 +731,7 @@ def load_checkpoint(model: nn.Module, state: dict, path: Path) -> None:
     except RuntimeError as error:
         raise RuntimeError(f"--init-from {path}: not a checkpoint of this model (same --d-model, --n-layers, --qkv, "
                            f"--head, vocabulary; a tensorized one also the same --tensorize, --compress and --fmt, "
-                           f"a low-rank one the same --lowrank and --compress): {error}") from None
+                           f"a low-rank one the same --lowrank (--btt) and --compress): {error}") from None
 
 
 class Progress:
@@ -700,10 +813,37 @@ def write_log(log: dict, path: Path | None) -> None:
     os.replace(tmp, path)  # a reader (the study runner) never sees half a file
 
 
-def step_time(steps: list[dict]) -> float | None:
-    """Median step time without the first tenth of the run (compilation, warm-up)."""
-    seconds = [s["seconds"] for s in steps[max(1, len(steps) // 10):]]
+def step_time(steps: list[dict], alone_from: int | None = None) -> float | None:
+    """Median step time without the first tenth of the run (compilation, warm-up); with ``alone_from``
+    (the step after a --barrier) of the steps from there on."""
+    first = max(1, len(steps) // 10) if alone_from is None else alone_from
+    seconds = [s["seconds"] for s in steps[first:]]
     return statistics.median(seconds) if seconds else None
+
+
+class GPUTurn:
+    """``--barrier``: the runs sharing a GPU meet at a step (all compiled and warmed up), then each holds
+    an exclusive lock on ``DIR/lock`` for the rest of its run, so its timed steps have the GPU alone. A
+    run that does not arrive within ``timeout_s`` (failed) is not waited for: the log then says that the
+    steps may have shared the GPU."""
+
+    def __init__(self, folder: Path, parties: int, timeout_s: float = 900.0):
+        self.folder, self.parties, self.timeout_s = folder, parties, timeout_s
+        self.lock = None
+
+    def take(self) -> bool:
+        """Wait for the others, then for the GPU; True when all ``parties`` arrived."""
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"ready-{os.getpid()}").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while len(list(self.folder.glob("ready-*"))) < self.parties and time.monotonic() < deadline:
+            time.sleep(0.2)
+        everyone = len(list(self.folder.glob("ready-*"))) >= self.parties
+        self.lock = open(self.folder / "lock", "w")  # released when the process ends
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        return everyone
 
 
 def load_data(args: argparse.Namespace) -> TokenData:
@@ -780,9 +920,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(args, data.tokenizer.vocab_size, device)
     state, saved_training = read_checkpoint(args.init_from, device) if args.init_from is not None else (None, None)
     if state is not None and not is_compressed(state):
-        if args.lowrank is not None:
-            raise RuntimeError(f"--init-from {args.init_from}: a dense checkpoint; --lowrank starts its factors anew "
-                               "and would discard it (a --lowrank checkpoint loads)")
+        for flag in ("lowrank", "btt"):
+            if getattr(args, flag) is not None:
+                raise RuntimeError(f"--init-from {args.init_from}: a dense checkpoint; --{flag} starts its factors "
+                                   f"anew and would discard it (a --{flag} checkpoint loads)")
         load_checkpoint(model, state, args.init_from)  # before compress: --tt-init svd factors the trained weights
     dense_params, dense_block_params = sum(p.numel() for p in model.parameters()), block_parameters(model)
     compress(model, args)
@@ -814,8 +955,14 @@ def main(argv: list[str] | None = None) -> dict:
     tokens_per_step = args.batch_size * args.seq_len
     progress = Progress(args.steps, args.log_every, enabled=not args.no_progress)
     timed_tokens, timed_seconds, train_seconds = 0, 0.0, 0.0
+    turn = GPUTurn(args.barrier, args.barrier_parties) if args.barrier is not None else None
     start = time.perf_counter()
     for step in range(first_step, end_step):
+        if turn is not None and step == args.barrier_step:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            log["alone_from_step"], log["alone"] = step - first_step, turn.take()
+            timed_tokens, timed_seconds = 0, 0.0
         factor = lr_factor(step, args)
         for group, base in zip(opt.param_groups, base_lrs):
             group["lr"] = base * factor
@@ -882,7 +1029,8 @@ def finish(log: dict, model: nn.Module, compiled: nn.Module, ranker, data: Token
     """Sizes, speed and memory into the log; the summary lines; the rank plot, sample, checkpoint and JSON."""
     memory = peak_memory(device)
     final_params = sum(p.numel() for p in model.parameters())
-    log.update(total_s=total_s, tokens_per_s=tokens_per_s, step_time_s=step_time(log["steps"]),
+    log.update(total_s=total_s, tokens_per_s=tokens_per_s,
+               step_time_s=step_time(log["steps"], log.get("alone_from_step")),
                peak_memory_bytes=memory["allocated"], peak_memory_reserved_bytes=memory["reserved"],
                final_parameters=final_params, compression=log["dense_parameters"] / final_params,
                final_block_parameters=block_parameters(model),

@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import zlib
 from pathlib import Path
@@ -482,6 +483,99 @@ def test_lowrank_flag_factors_every_block_linear():
                 ["--lowrank", "8", "--compress", "head"], ["--lowrank", "attn=8"], ["--lowrank", "default"]):
         with pytest.raises(SystemExit):
             train_lm.parse_args(bad)
+
+
+def test_lowrank_act_puts_the_nonlinearity_between_the_factors():
+    torch.manual_seed(0)
+    x = torch.randn(4, 24, dtype=torch.float64)
+    for act, fn in (("silu", lambda z: z * torch.sigmoid(z)), ("gelu", lambda z: 0.5 * z * (1 + torch.erf(z / 2**0.5)))):
+        layer = train_lm.LowRankLinear(24, 40, rank=6, act=act).double()
+        torch.nn.init.normal_(layer.up.bias)
+        want = fn(x @ layer.down.weight.T) @ layer.up.weight.T + layer.up.bias
+        torch.testing.assert_close(layer(x), want)
+    with pytest.raises(ValueError, match="act must be one of"):
+        train_lm.LowRankLinear(8, 8, 2, act="relu6")
+    args = train_lm.parse_args(["--lowrank", "3", "--lowrank-act", "silu", "--d-model", "32", "--n-heads", "2"])
+    model = train_lm.build_model(args, 256)
+    train_lm.compress(model, args)
+    assert {m.act for m in model.blocks.modules() if isinstance(m, train_lm.LowRankLinear)} == {"silu"}
+    with pytest.raises(SystemExit):  # an activation of no low-rank layer
+        train_lm.parse_args(["--lowrank-act", "silu"])
+
+
+def _btt_reference(layer) -> torch.Tensor:
+    """The BTT layer's dense weight, entry by entry from its definition, in float64."""
+    b1, b2, c, a, r = layer.b1, layer.b2, layer.c, layer.a, layer.rank
+    R, L = layer.R.detach().double(), layer.L.detach().double()
+    W = torch.zeros(c * a, b1 * b2, dtype=torch.float64)
+    for ci in range(c):
+        for ai in range(a):
+            for i in range(b1):
+                for j in range(b2):
+                    W[ci * a + ai, i * b2 + j] = sum(L[ci, i * r + k, ai] * R[i, j, ci * r + k] for k in range(r))
+    return W
+
+
+def test_btt_linear_applies_its_block_tensor_train_weight():
+    torch.manual_seed(0)
+    for d_in, d_out, rank in ((12, 20, 1), (12, 20, 3), (18, 8, 2)):
+        layer = train_lm.BTTLinear(d_in, d_out, rank)
+        torch.nn.init.normal_(layer.bias)
+        assert layer.b1 * layer.b2 == d_in and layer.c * layer.a == d_out
+        assert sum(p.numel() for p in layer.parameters()) == rank * (d_in * layer.c + d_out * layer.b1) + d_out
+        W = _btt_reference(layer)
+        torch.testing.assert_close(layer.dense_weight().double(), W)
+        x = torch.randn(2, 5, d_in, dtype=torch.float64)
+        torch.testing.assert_close(layer.double()(x), x @ W.T + layer.bias.double())
+    assert train_lm.near_sqrt_factor(768) == 32 and train_lm.near_sqrt_factor(3072) == 64
+    assert train_lm.near_sqrt_factor(12) == 4 and train_lm.near_sqrt_factor(13) == 13  # a tie: the larger
+    monarch = train_lm.BTTLinear(64, 64, 1).double()  # rank 1 (Monarch) is full-rank in general
+    assert torch.linalg.matrix_rank(monarch.dense_weight()) == 64
+    big = train_lm.BTTLinear(1024, 1024, rank=2)  # the output has the variance of a dense layer at std 0.02
+    x = torch.randn(512, 1024)
+    assert big(x).std().item() == pytest.approx((x @ (0.02 * torch.randn(1024, 1024))).std().item(), rel=0.1)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        train_lm.BTTLinear(8, 8, 0)
+
+
+def test_btt_flag_replaces_every_block_linear():
+    args = train_lm.parse_args(["--preset", "gpu", "--btt", "1"])
+    model = train_lm.build_model(args, 16384, device="meta")
+    train_lm.compress(model, args)
+    btts = [m for m in model.blocks.modules() if isinstance(m, train_lm.BTTLinear)]
+    assert len(btts) == 6 * 6 and not any(isinstance(m, torch.nn.Linear) for m in model.blocks.modules())
+    d = 768  # q, k, v, proj: 2 * 768 * 32; fc 768 -> 3072: 768 * 64 + 3072 * 32, and its transpose
+    per_block = 4 * 2 * d * 32 + 2 * (d * 64 + 4 * d * 32) + 4 * d + d + 2 * 2 * d  # + MLP biases, LayerNorms
+    assert train_lm.block_parameters(model) == 6 * per_block
+    for bad in (["--btt", "1", "--lowrank", "8"], ["--btt", "1", "--tensorize", "8"], ["--btt", "1", "--compress", "tok"],
+                ["--btt", "attn=1"], ["--btt", "default"]):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(bad)
+
+
+def test_btt_run_trains_and_its_checkpoint_reloads(tmp_path):
+    ckpt = tmp_path / "btt.pt"
+    flags = SMALL + ["--d-model", "64", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--lr", "1e-2",
+                     "--btt", "1"]
+    log = train_lm.main(flags + ["--steps", "12", "--save", str(ckpt)])
+    assert log["block_parameters"] < log["block_dense_parameters"] / 3
+    assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
+    again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
+    assert again["steps"][0]["loss"] < log["steps"][0]["loss"] - 0.3  # the trained cores came back
+
+
+def test_barrier_times_the_steps_after_it(tmp_path):
+    log = train_lm.main(SMALL + ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--eval-every", "0",
+                                 "--barrier", str(tmp_path / "b"), "--barrier-step", "2"])
+    assert log["alone"] is True and log["alone_from_step"] == 2
+    assert log["step_time_s"] == statistics.median(s["seconds"] for s in log["steps"][2:])  # the steps after it
+    turn = train_lm.GPUTurn(tmp_path / "c", parties=2, timeout_s=0.3)  # the other party never comes
+    assert turn.take() is False
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "ready-other").touch()  # it did
+    assert train_lm.GPUTurn(tmp_path / "d", parties=2, timeout_s=5).take() is True
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--barrier", str(tmp_path), "--barrier-step", "0"])
 
 
 def test_lowrank_run_trains_and_its_checkpoint_reloads(tmp_path):

@@ -54,6 +54,14 @@ def test_iso_width_and_matched_ranks(tmp_path):
     for other in (low_rank - 1, low_rank + 1):
         assert gap <= abs(sizer.counts(low[:-1] + [str(other)])["blocks"] - blocks)
     assert gap < 0.2 * blocks
+    cola, _ = study.resolve("cola-iso", opts, sizer, tmp_path)  # the same rank, SiLU between the factors
+    assert cola == ["--lowrank-act", "silu"] + low
+    btt, _ = study.resolve("btt-iso", opts, sizer, tmp_path)  # block tensor-trains at ttm-r32's block parameters
+    btt_rank = int(btt[btt.index("--btt") + 1])
+    gap = abs(sizer.counts(btt)["blocks"] - blocks)
+    for other in (btt_rank - 1, btt_rank + 1):
+        if other >= 1:
+            assert gap <= abs(sizer.counts(btt[:-1] + [str(other)])["blocks"] - blocks)
     iso, _ = study.resolve("dense-iso", opts, sizer, tmp_path)
     seed1, _ = study.resolve("dense-iso-s1", opts, sizer, tmp_path)  # the same width, another seed
     assert seed1 == ["--seed", "1"] + iso
@@ -93,6 +101,13 @@ def test_lr_sweep_names_and_the_timing_pass(tmp_path):
     timing = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "benchmark,ttm-r32@2e-3",
                                "--lrs", "1e-3,3e-3", "--timing"])
     assert timing.names == study.GROUPS["benchmark"]  # step time does not depend on the lr: each config once
+    grid = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "benchmark,ttm-r32@2e-3",
+                             "--lrs", "grid"])  # each configuration at its own sweep
+    assert grid.names == [f"{n}@{lr:g}" for n in study.GROUPS["benchmark"] for lr in study.CONFIGS[n].lrs] + [
+        "ttm-r32@0.002"]
+    assert all(len(study.CONFIGS[n].lrs) >= 3 for n in study.GROUPS["benchmark"])
+    with pytest.raises(SystemExit):  # "defaults" has no sweep of its own
+        study.parse_args(["--configs", "dense,defaults", "--lrs", "grid"])
     with pytest.raises(SystemExit):
         study.parse_args(["--configs", "ttm-r32@fast"])
     with pytest.raises(SystemExit):
@@ -182,3 +197,19 @@ def test_deadline_counts_from_the_study_start(tmp_path):
     study.execute([run], opts)
     # stopped by the deadline (a run that ran out its 60 s sleep would be "done"), its process ended
     assert run.status == "stopped" and run.process.poll() is not None
+
+
+def test_timing_pass_compiles_side_by_side_and_times_each_alone(tmp_path):
+    """--timing starts every configuration at once; each waits at the barrier until all are warmed up,
+    then takes the device in turn: its step time is the median of its steps after the barrier."""
+    opts = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "dense,lowrank-iso", "--timing",
+                             "--timing-steps", "8"])
+    assert opts.concurrency == 2
+    rows = study.main(["--smoke", "--out-dir", str(tmp_path), "--configs", "dense,lowrank-iso", "--timing",
+                       "--timing-steps", "8"])
+    assert {r["config"] for r in rows} == {"dense", "lowrank-iso"}
+    for name in ("dense", "lowrank-iso"):
+        log = json.loads((tmp_path / "timing" / f"{name}.json").read_text())
+        flags = log["args"]
+        assert flags["barrier_parties"] == 2 and flags["barrier_step"] == 2 and log["complete"]
+        assert log["alone"] is True and log["alone_from_step"] == 2 and len(log["steps"]) == 8

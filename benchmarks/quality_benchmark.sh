@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The quality benchmark on one GPU, as recorded in BENCHMARKS.md section 4:
+#   1. the timing pass: every configuration compiles side by side, then runs its timed steps alone;
+#   2. the study: every configuration of the group "benchmark" at each learning rate of its own sweep,
+#      1,900 steps of 32 x 512 tokens (31.1 M tokens, under one epoch of the corpus), CUDA graphs on.
+# Then, on any machine, the tables and plots from the logs:
+#   python benchmarks/quality_study.py --out-dir DIR --configs benchmark --report-only --plot-dir docs \
+#       --plot-prefix quality_benchmark_
+#
+#   bash benchmarks/quality_benchmark.sh [OUT_DIR] [DEADLINE_S] [CONCURRENCY]
+set -u
+out_dir=${1:-qb}
+deadline=${2:-}
+concurrency=${3:-14}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+common=(--out-dir "$out_dir" --configs benchmark --steps 1900 --batch-size 32 --eval-every 190 --extra=--cuda-graphs)
+python3 benchmarks/quality_study.py "${common[@]}" --timing --timing-steps 40 --deadline-s "${TIMING_DEADLINE_S:-360}" ||
+    echo "timing pass: rc $?"
+python3 benchmarks/quality_study.py "${common[@]}" --lrs grid --concurrency "$concurrency" \
+    ${deadline:+--deadline-s "$deadline"}
