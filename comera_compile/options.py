@@ -15,6 +15,8 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CCE_BACKWARD = ("filtered", "exact")
 CCE_STRATEGIES = ("auto", "chunked", "sparse", "static", "fused")
+CCE_POLICIES = ("memory", "speed")
+MIB = 1 << 20
 
 
 class OptionsError(ValueError):
@@ -45,8 +47,18 @@ class CompileOptions:
         cce_filter_eps: the filtering threshold; ``None`` picks the kernel default (2**-12).
         cce_deterministic: a backward whose result does not depend on atomics order.
         cce_min_vocab: fuse the LM head only when the vocabulary has at least this many entries.
-            ``None`` (default): the fused op's cost rule decides (small vocabularies, e.g. a
-            3-class classifier head, are left alone); ``0`` fuses every head.
+            ``None`` (default): the fused op's cost rule decides by ``cce_policy`` (small
+            vocabularies, e.g. a 3-class classifier head, are left alone); ``0`` fuses every head.
+        cce_policy: what the cost rule fuses for. ``"memory"`` (default): every head whose logits
+            (tokens x vocabulary x the logits' element size, what the unfused loss holds from the
+            forward to the backward) take more than ``cce_memory_threshold``, unless the fused
+            loss is estimated more than 1.15x slower than the unfused one; smaller heads when it is
+            not slower. ``"speed"``: only heads whose fused loss is not estimated slower. The
+            estimates model the device: the Triton paths at an H200's rates on the GPU, the torch
+            reference at a CPU's rates on the CPU. ``explain`` states the logits' memory either way.
+        cce_memory_threshold: bytes of logits above which the memory policy fuses; default 64 MiB
+            (the fused loss's least working memory: smaller logits fit in one chunk of it, so
+            fusing them saves nothing).
         cce_memory_budget: bytes of working memory the fused loss may use beyond its inputs and
             gradients; ``None`` (default): 1/16 of the fp32 logits it replaces, at least 64 MiB.
             More memory buys larger chunks (faster); the path is chosen within the budget.
@@ -68,6 +80,8 @@ class CompileOptions:
     cce_filter_eps: float | None = None
     cce_deterministic: bool = False
     cce_min_vocab: int | None = None
+    cce_policy: str = "memory"
+    cce_memory_threshold: int = 64 * MIB
     cce_memory_budget: int | None = None
     cce_strategy: str = "auto"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
@@ -76,6 +90,7 @@ class CompileOptions:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         _check_choice("cce_backward", self.cce_backward, CCE_BACKWARD)
         _check_choice("cce_strategy", self.cce_strategy, CCE_STRATEGIES)
+        _check_choice("cce_policy", self.cce_policy, CCE_POLICIES)
         for name in ("strict", "max_autotune", "cce_deterministic"):
             _check_type(name, getattr(self, name), bool, "a bool")
         if self.cudagraphs is not None:
@@ -88,6 +103,9 @@ class CompileOptions:
             _check_type("cce_min_vocab", self.cce_min_vocab, int, "an int or None")
             if self.cce_min_vocab < 0:
                 raise OptionsError(f"option 'cce_min_vocab' must be >= 0; got {self.cce_min_vocab}")
+        _check_type("cce_memory_threshold", self.cce_memory_threshold, int, "a byte count (int)")
+        if self.cce_memory_threshold < 0:
+            raise OptionsError(f"option 'cce_memory_threshold' must be >= 0 bytes; got {self.cce_memory_threshold}")
         if self.cce_memory_budget is not None:
             _check_type("cce_memory_budget", self.cce_memory_budget, int, "a byte count (int) or None")
             if self.cce_memory_budget < 0:

@@ -54,13 +54,17 @@ from .linear_cross_entropy_plan import (
     decide_fused_loss,
     default_filter_eps,
     default_memory_budget,
+    describe_logits,
     fused_loss_pays,
+    logits_bytes,
+    rates_for,
     record_cce_stats,
 )
 
 __all__ = [
     "CCEStats", "CCETuning", "FusedLossDecision", "LCEOptions", "cce_tuning", "choose_strategy",
-    "decide_fused_loss", "default_filter_eps", "fused_loss_pays", "linear_cross_entropy", "record_cce_stats",
+    "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "linear_cross_entropy",
+    "logits_bytes", "rates_for", "record_cce_stats",
 ]
 
 OP = "comera::linear_cross_entropy"
@@ -463,7 +467,8 @@ def linear_cross_entropy(
     * ``backward``: "filtered" lets the sparse path skip gradient tiles whose softmax stays below
       ``filter_eps`` (default: dtype eps / 32, 2**-12 for bf16); "exact" skips nothing. The other
       paths compute the exact gradient either way.
-    * ``strategy``: "auto" (the fastest path by the cost model), "chunked", "sparse", "static" or
+    * ``strategy``: "auto" (the fastest path by the cost model of what runs: the Triton paths at the
+      H200's rates, or the torch reference at the CPU's), "chunked", "sparse", "static" or
       "fused" (see ``linear_cross_entropy_plan``); a path that does not apply falls back to one
       that does (e.g. "sparse" under CUDA-graph capture runs "static").
     * ``memory_budget``: bytes of working memory beyond the inputs and gradients (default: 1/16 of
@@ -481,7 +486,8 @@ def linear_cross_entropy(
     need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
     if options.strategy == "auto" and any(need) and isinstance(x.shape[0], int):
         options = dataclasses.replace(options, strategy=choose_strategy(
-            x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse, **options.cost_model_args()))
+            x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
+            rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args()))
     options = options.with_needs(*need)
     loss, lse, *_ = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())
     return (loss, lse) if return_lse else loss

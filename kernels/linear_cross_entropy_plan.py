@@ -20,9 +20,13 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
   itself and the backward recomputes only dW: two passes over the logits.
 
 ``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of
-:class:`DeviceRates`); ``fused_loss_pays`` says whether the best path is expected to beat the
-unfused ``linear`` + ``cross_entropy`` under Inductor; ``decide_fused_loss`` gives both answers
-for one head from one run of the model (a :class:`FusedLossDecision`, what the cce pass uses).
+:class:`DeviceRates`, for the Triton paths on the GPU; :class:`ReferenceRates` where the op runs its
+torch reference, the CPU: ``rates_for``); ``fused_loss_pays`` says whether fusing a head is worth
+it against the unfused ``linear`` + ``cross_entropy`` under Inductor, by a policy: "speed" (the best
+path is not expected to be slower) or "memory" (the default: also when the logits it avoids,
+``logits_bytes``, exceed a threshold and the best path is at most ``MEMORY_POLICY_SLOWDOWN`` times
+slower); ``decide_fused_loss`` gives both answers for one head from one run of the model (a
+:class:`FusedLossDecision`, what the cce pass uses).
 """
 
 from __future__ import annotations
@@ -37,17 +41,26 @@ from typing import Iterator, Optional
 import torch
 
 __all__ = [
-    "BACKWARDS", "FORWARD_DX_MAX_D", "PATHS", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning",
-    "DeviceRates", "FusedLossDecision", "H200",
-    "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "decide_fused_loss", "default_filter_eps",
-    "default_memory_budget", "estimate_seconds", "fused_loss_pays", "record", "record_cce_stats",
+    "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "MEMORY_POLICY_SLOWDOWN", "PATHS",
+    "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision", "H200",
+    "ReferenceRates", "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "decide_fused_loss",
+    "default_filter_eps", "default_memory_budget", "describe_logits", "estimate_seconds", "format_bytes",
+    "fused_loss_pays", "logits_bytes", "rates_for", "record", "record_cce_stats",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKWARDS = ("filtered", "exact")
 PATHS = ("chunked", "sparse", "static", "fused")
 STRATEGIES = ("auto",) + PATHS
+POLICIES = ("memory", "speed")
 MIB = 1 << 20
+# The memory policy fuses a head whose logits take more than this: the fused op's least working
+# memory (``default_memory_budget``), so smaller logits fit one chunk of it and fusing saves nothing.
+DEFAULT_MEMORY_THRESHOLD = 64 * MIB
+# ... when its estimate is at most this many times the unfused one. The head's loss is a part of a
+# training step (about a third of a small LM's), so 15 % on it costs a step at most ~5 %, for
+# memory that grows with tokens x vocabulary: what users pick a fused loss for.
+MEMORY_POLICY_SLOWDOWN = 1.15
 
 
 def default_filter_eps(dtype: torch.dtype) -> float:
@@ -273,6 +286,52 @@ _DEFAULTS = CCETuning()
 _TILE = 128 * 128  # entries per gradient tile of the sparse path
 
 
+@dataclass(frozen=True)
+class ReferenceRates:
+    """Throughputs the cost model assumes where the op runs its torch reference (no Triton: the
+    CPU). There the fused loss is the chunked loop of library GEMMs in fp32 (whatever the inputs'
+    dtype) and a torch step per chunk of rows; the unfused loss is Inductor's GEMMs in the logits'
+    dtype and its softmax + cross-entropy kernels.
+
+    The defaults were fitted to whole compiled steps (``torch.compile(backend="comera")``, fused
+    and with the cce pass off) from (N, D, V) = (64, 8, 3) to (2048, 768, 8192) and (1024, 512,
+    32768), on a 2-core x86-64 CPU (AVX-512, AMX), torch 2.13, two threads: fp32 GEMMs ~370 GFLOP/s,
+    bf16 ones ~1000 on the AMX units (fp16 ones run at the fp32 rate). Per logit, counting each
+    pass's memory traffic and the first touch of a fresh logits buffer: the reference's loss and
+    gradient step 2.4 ns (its loss alone 1.5), Inductor's softmax + cross-entropy forward and
+    backward 2.85 ns (forward 1.4) per fp32 logit, half that per 16-bit one. Fixed costs per call
+    (a training step / a forward) and per chunk of rows (~15 torch ops). The fits are within ~10 %
+    of those steps. A CPU with more cores speeds the GEMMs and the per-logit passes alike, so the
+    ratios that decide stay close; one without AMX runs bf16 GEMMs slower than assumed here.
+    """
+
+    gemm_flops: float = 370e9
+    bf16_gemm_flops: float = 1000e9
+    bandwidth: float = 40e9
+    rows_s: float = 2.4e-9
+    rows_forward_s: float = 1.5e-9
+    unfused_s: float = 2.85e-9
+    unfused_forward_s: float = 1.4e-9
+    call_s: float = 450e-6
+    forward_call_s: float = 170e-6
+    unfused_call_s: float = 120e-6
+    unfused_forward_call_s: float = 30e-6
+    chunk_s: float = 60e-6
+
+    def gemm_s(self, flops: float, dtype: torch.dtype) -> float:
+        """One library GEMM of ``flops`` in ``dtype`` (the logits' traffic is in the per-logit costs)."""
+        return flops / (self.bf16_gemm_flops if dtype == torch.bfloat16 else self.gemm_flops)
+
+
+CPU = ReferenceRates()
+
+
+def rates_for(triton: bool) -> "DeviceRates | ReferenceRates":
+    """The rates of what runs the op: its Triton paths (the GPU: :data:`H200`) or its torch
+    reference (the CPU: :data:`CPU`)."""
+    return H200 if triton else CPU
+
+
 def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
     """Fraction of the sparse path's gradient tiles the filter keeps when the logits are N(0, 1)
     (an untrained head: the softmax is flattest, the filter keeps the most). An entry is kept
@@ -284,17 +343,42 @@ def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
     return 1.0 - (1.0 - q) ** _TILE
 
 
+def _reference_seconds(N: int, D: int, V: int, dtype: torch.dtype, budget: int, rates: ReferenceRates,
+                       training: bool) -> dict[str, float]:
+    """:func:`estimate_seconds` where the op runs its torch reference: "chunked" forms the gradient
+    in the forward (three fp32 GEMMs, one rows step with the gradient); every other path runs there
+    as an exact recompute (keyed "static": the forward's GEMM and loss step, then the backward's
+    three GEMMs and gradient step)."""
+    F, NV = 2.0 * N * D * V, float(N * V)
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
+    ref, unfused = rates.gemm_s(F, torch.float32), rates.gemm_s(F, dtype)
+    rows, _ = chunk_plan(N, D, V, 4, budget, training)
+    chunks = math.ceil(N / rows)
+    moved = NV * elem / 4  # Inductor's passes move the logits in their own dtype
+    if not training:
+        return {"unfused": unfused + moved * rates.unfused_forward_s + rates.unfused_forward_call_s,
+                "static": ref + NV * rates.rows_forward_s + chunks * rates.chunk_s + rates.forward_call_s}
+    rmw = (chunks - 1) * 2 * V * D * 4 / rates.bandwidth  # dW accumulated in fp32 across chunks
+    return {"unfused": 3 * unfused + moved * rates.unfused_s + rates.unfused_call_s,
+            "chunked": 3 * ref + NV * rates.rows_s + chunks * rates.chunk_s + rmw + rates.call_s,
+            "static": (4 * ref + NV * (rates.rows_forward_s + rates.rows_s) + 2 * chunks * rates.chunk_s
+                       + rmw + rates.call_s)}
+
+
 def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                      backward: str = "filtered", memory_budget: Optional[int] = None,
-                     filter_eps: Optional[float] = None, rates: DeviceRates = H200,
+                     filter_eps: Optional[float] = None, rates: "DeviceRates | ReferenceRates" = H200,
                      training: bool = True, upcast: bool = False) -> dict[str, float]:
     """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
     unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``). ``upcast``: the
     unfused loss casts half-precision logits to fp32 first (``logits.float()``), which costs
-    Inductor fp32 logits traffic (counted as two more passes over the half logits)."""
+    Inductor fp32 logits traffic on the GPU (counted as two more passes over the half logits; on
+    the CPU its kernels compute in fp32 either way)."""
     N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
-    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
     budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
+    if isinstance(rates, ReferenceRates):
+        return _reference_seconds(N, D, V, dtype, budget, rates, training)
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
     tun = _DEFAULTS
     F = 2.0 * N * D * V
     L = float(N * V * elem)
@@ -357,7 +441,7 @@ def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
                     reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
                     memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
                     capture: bool = False, lse_grad: bool = False,
-                    rates: DeviceRates = H200) -> str:
+                    rates: "DeviceRates | ReferenceRates" = H200) -> str:
     """The fastest path for a training step by the cost model, among those that apply.
 
     ``capture``: the step runs under CUDA graphs (no sparse rounds); ``lse_grad``: the caller may
@@ -370,30 +454,69 @@ def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
     return min(allowed, key=allowed.get)
 
 
+def logits_bytes(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """The memory the unfused loss holds for the logits, which the fused loss avoids: ``N x V``
+    entries of the logits' dtype. In training Inductor's forward saves them for the backward, which
+    writes their gradient over them; 16-bit logits are saved as they are, the fp32 of a ``.float()``
+    upcast is recomputed inside its kernels (torch 2.13: the saved tensors and the backward's buffer
+    reuse). An fp32 head of 2048 tokens x 128k vocabulary: 1 GiB."""
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
+    return max(0, n_tokens) * max(0, vocab) * elem
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as explain prints them: "1 GiB", "1.96 GiB", "62.5 MiB", "7 KiB"."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.3g} GiB"
+    if n >= MIB:
+        return f"{n / MIB:.3g} MiB"
+    return f"{-(-n // 1024)} KiB"
+
+
 @dataclass(frozen=True)
 class FusedLossDecision:
     """What the cost model says about fusing one LM head, formed once per head.
 
-    ``pays``: the fused loss is not expected to make the step slower than the unfused ``linear`` +
-    ``cross_entropy`` under Inductor; else ``reason`` says why (the two estimates). ``strategy``:
-    the op's ``strategy`` argument: in training the fastest path that applies, otherwise "auto"
-    (the op picks at run time).
+    ``pays``: fusing is worth it by the policy (see :func:`decide_fused_loss`); else ``reason``
+    says why (the logits' memory, the two estimates). ``strategy``: the op's ``strategy`` argument:
+    in training the fastest path that applies, otherwise "auto" (the op picks at run time).
+    ``logits_bytes``: the logits the unfused loss would hold (:func:`logits_bytes`);
+    ``slowdown``: the best path's estimate over the unfused one (0 when not estimated).
     """
 
     pays: bool
     reason: str = ""
     strategy: str = "auto"
+    logits_bytes: int = 0
+    slowdown: float = 0.0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def describe_logits(nbytes: int, dtype: torch.dtype) -> str:
+    """The logits' memory as explain states it: "logits 1 GiB float32"."""
+    return f"logits {format_bytes(nbytes)} {_dtype_name(dtype)}"
 
 
 def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                       reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
                       memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
                       capture: bool = False, training: bool = True, upcast: bool = False,
-                      rates: DeviceRates = H200) -> FusedLossDecision:
+                      policy: str = "memory", memory_threshold: int = DEFAULT_MEMORY_THRESHOLD,
+                      rates: "DeviceRates | ReferenceRates" = H200) -> FusedLossDecision:
     """:func:`fused_loss_pays` and, in training, :func:`choose_strategy`'s path, from one run of
-    the cost model (:func:`estimate_seconds`; the same rule on every device: small vocabularies
-    lose on launches, mid-size hidden sizes with flat logits lose on the recompute, large heads
-    with a budget for big chunks or a filter that skips tiles pay)."""
+    the cost model (:func:`estimate_seconds` at ``rates``: small vocabularies lose on fixed costs,
+    mid-size hidden sizes with flat logits lose on the GPU's recompute, large heads with a budget
+    for big chunks or a filter that skips tiles pay).
+
+    ``policy="speed"``: fuse when the best path's estimate is at most the unfused one.
+    ``policy="memory"`` (the default): also when the logits (:func:`logits_bytes`) take more than
+    ``memory_threshold`` bytes and the best path's estimate is at most ``MEMORY_POLICY_SLOWDOWN``
+    (1.15) times the unfused one."""
+    if policy not in POLICIES:
+        raise ValueError(f"decide_fused_loss: policy={policy!r}; valid values: {list(POLICIES)}")
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
                              memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
                              training=training, upcast=upcast)
@@ -401,27 +524,39 @@ def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype
                        capture=capture, lse_grad=False)
     best = min(allowed, key=allowed.get)
     strategy = best if training else "auto"
-    if allowed[best] <= costs["unfused"]:
-        return FusedLossDecision(True, "", strategy)
-    return FusedLossDecision(False, (
-        f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
-        f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy"
-        f"{' (fp32 upcast)' if upcast else ''} under Inductor "
-        f"(N={n_tokens}, D={hidden}, V={vocab}, {str(dtype).replace('torch.', '')})"), strategy)
+    nbytes, slowdown = logits_bytes(n_tokens, vocab, dtype), allowed[best] / costs["unfused"]
+    large = policy == "memory" and nbytes > memory_threshold
+    if slowdown <= (MEMORY_POLICY_SLOWDOWN if large else 1.0):
+        return FusedLossDecision(True, "", strategy, nbytes, slowdown)
+    logits = describe_logits(nbytes, dtype)
+    estimate = (f"the fused loss is estimated at {allowed[best] * 1e3:.3g} ms (best path: {best}) "
+                f"against {costs['unfused'] * 1e3:.3g} ms for linear + cross_entropy"
+                f"{' (fp32 upcast)' if upcast else ''} under Inductor "
+                f"(N={n_tokens}, D={hidden}, V={vocab}, {_dtype_name(dtype)})")
+    if large:
+        reason = (f"{logits} would be avoided, but {estimate}: {slowdown:.2f}x, more than the "
+                  f"{MEMORY_POLICY_SLOWDOWN}x the memory policy allows")
+    elif policy == "memory":
+        reason = f"{logits}: below cce_memory_threshold {format_bytes(memory_threshold)}, and {estimate}"
+    else:
+        reason = f"{estimate}; {logits} (cce_policy='speed')"
+    return FusedLossDecision(False, reason, strategy, nbytes, slowdown)
 
 
 def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device_type: str,
                     *, reduction: str = "mean", backward: str = "filtered",
                     deterministic: bool = False, memory_budget: Optional[int] = None,
                     filter_eps: Optional[float] = None, capture: bool = False,
-                    training: bool = True, upcast: bool = False,
-                    rates: DeviceRates = H200) -> tuple[bool, str]:
-    """Whether the fused loss is not expected to make the step slower than the unfused
-    ``linear`` + ``cross_entropy`` under Inductor; ``(False, reason)`` when it is (see
-    :func:`decide_fused_loss`, which also gives the path)."""
-    del device_type  # one rule for every device: the one the GPU run measured
+                    training: bool = True, upcast: bool = False, policy: str = "memory",
+                    memory_threshold: int = DEFAULT_MEMORY_THRESHOLD,
+                    rates: "DeviceRates | ReferenceRates | None" = None) -> tuple[bool, str]:
+    """Whether fusing the head is worth it by ``policy`` against the unfused ``linear`` +
+    ``cross_entropy`` under Inductor; ``(False, reason)`` when it is not (see
+    :func:`decide_fused_loss`, which also gives the path). ``rates``: by default those of the
+    device: the H200's on ``"cuda"`` (the Triton paths), the CPU's reference elsewhere."""
     decision = decide_fused_loss(n_tokens, hidden, vocab, dtype, reduction=reduction, backward=backward,
                                  deterministic=deterministic, memory_budget=memory_budget,
                                  filter_eps=filter_eps, capture=capture, training=training, upcast=upcast,
-                                 rates=rates)
+                                 policy=policy, memory_threshold=memory_threshold,
+                                 rates=rates if rates is not None else rates_for(device_type == "cuda"))
     return decision.pays, decision.reason

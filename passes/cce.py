@@ -25,9 +25,12 @@ naming the write: eager computed the logits before it.
 Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
 fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
 and ``explain`` shows the argument or node that blocked it. So does the cost rule
-(``kernels.linear_cross_entropy.decide_fused_loss``) for heads whose fused loss cannot pay, unless the
-``cce_min_vocab`` option sets the threshold instead. The rule runs once per head: its decision (whether
-fusing pays, and the op's path) serves the rewrite and the detail ``explain`` shows.
+(``kernels.linear_cross_entropy.decide_fused_loss``) for heads not worth fusing under the
+``cce_policy`` option (by default "memory": heads whose logits exceed ``cce_memory_threshold``, at a
+small stated slowdown at most), unless the ``cce_min_vocab`` option sets the threshold instead. The
+rule runs once per head, at the rates of what will run the op (its Triton paths on the GPU, its torch
+reference on the CPU): its decision (whether fusing pays, the op's path, the logits' memory) serves the
+rewrite and the detail ``explain`` shows.
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ from comera_compile.fx_utils import (
     module_name,
     size_hint,
 )
+from comera_compile.kernels.dispatch import use_triton
 from comera_compile.kernels.linear_cross_entropy import (  # defines the op
     FusedLossDecision,
     LCEOptions,
     decide_fused_loss,
+    describe_logits,
+    logits_bytes,
+    rates_for,
 )
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
@@ -617,24 +624,27 @@ def _options(head: _Head, ctx: PassContext) -> LCEOptions:
 
 def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDecision:
     """Whether fusing this head pays and the op's path, decided once (the build and explain's detail
-    read it). Pays: by the user's ``cce_min_vocab`` when set, else by the op's cost rule. The path:
-    the user's ``cce_strategy`` when pinned; else, in training, the cost model's; inference lets the
-    op decide ("auto")."""
+    read it). Pays: by the user's ``cce_min_vocab`` when set, else by the op's cost rule under
+    ``cce_policy``, at the rates of what will run the op (its Triton paths or its torch reference).
+    The path: the user's ``cce_strategy`` when pinned; else, in training, the cost model's;
+    inference lets the op decide ("auto")."""
     opts = ctx.options
     vocab = head.proj.vocab()
+    n_tokens, dtype = math.prod(size_hint(s) for s in fake(head.target).shape), _projection_dtype(head)
+    nbytes = logits_bytes(n_tokens, size_hint(vocab), dtype)
     if not isinstance(vocab, int):
-        return FusedLossDecision(True, "", opts.cce_strategy)
+        return FusedLossDecision(True, "", opts.cce_strategy, nbytes)
     threshold, pinned = opts.cce_min_vocab, opts.cce_strategy != "auto"
-    decision = FusedLossDecision(True)
+    decision = FusedLossDecision(True, logits_bytes=nbytes)
     if threshold is None or (ctx.training and not pinned):
-        n_tokens = math.prod(size_hint(s) for s in fake(head.target).shape)
-        decision = decide_fused_loss(n_tokens, size_hint(fake(head.proj.h).shape[-1]), vocab,
-                                     _projection_dtype(head), capture=ctx.cudagraphs(), training=ctx.training,
-                                     upcast=head.values.upcast, **options.cost_model_args())
+        decision = decide_fused_loss(n_tokens, size_hint(fake(head.proj.h).shape[-1]), vocab, dtype,
+                                     capture=ctx.cudagraphs(), training=ctx.training, upcast=head.values.upcast,
+                                     policy=opts.cce_policy, memory_threshold=opts.cce_memory_threshold,
+                                     rates=rates_for(use_triton(fake(head.proj.h))), **options.cost_model_args())
     if threshold is not None:
         pays = vocab >= threshold
-        decision = dataclasses.replace(decision, pays=pays,
-                                       reason="" if pays else f"vocabulary {vocab} < cce_min_vocab={threshold}")
+        reason = "" if pays else f"vocabulary {vocab} < cce_min_vocab={threshold} ({describe_logits(nbytes, dtype)})"
+        decision = dataclasses.replace(decision, pays=pays, reason=reason)
     if pinned:
         decision = dataclasses.replace(decision, strategy=opts.cce_strategy)
     return decision
@@ -681,7 +691,15 @@ def _detail(head: _Head, ctx: PassContext, decision: FusedLossDecision) -> str:
             f"ignore_index={head.ignore_index}, label_smoothing={head.label_smoothing}, "
             f"softcap={vals.softcap or 'none'}, scale={vals.scale:g}, bias={'yes' if vals.bias is not None else 'no'}, "
             f"rows={rows}, upcast={'yes' if vals.upcast else 'no'}, backward={ctx.options.cce_backward}, "
-            f"path={decision.strategy}")
+            f"path={decision.strategy}; {_memory_note(head, decision)}")
+
+
+def _memory_note(head: _Head, decision: FusedLossDecision) -> str:
+    """What fusing saves, for explain: the logits' memory, and the estimated cost when it is slower."""
+    note = f"{describe_logits(decision.logits_bytes, _projection_dtype(head))} avoided"
+    if decision.slowdown > 1.0:
+        note += f", for an estimated {decision.slowdown:.2f}x the unfused loss's time"
+    return note
 
 
 def _check_no_write(head: _Head) -> None:

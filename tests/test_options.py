@@ -10,6 +10,16 @@ def test_defaults():
     assert opts.inner == "inductor" and not opts.strict and not opts.cudagraphs
 
 
+def test_fused_loss_policy_defaults_are_the_cost_rules():
+    """The options' policy choices and memory threshold are the ones the cost rule defines."""
+    from comera_compile.kernels import linear_cross_entropy_plan as plan
+    from comera_compile.options import CCE_POLICIES
+
+    opts = CompileOptions()
+    assert opts.cce_policy == "memory" and CCE_POLICIES == plan.POLICIES
+    assert opts.cce_memory_threshold == plan.DEFAULT_MEMORY_THRESHOLD == 64 << 20
+
+
 @pytest.mark.parametrize("bad, needle", [
     ({"innr": "eager"}, "valid keys"),
     ({"inner": "tvm"}, "['inductor', 'aot_eager', 'eager']"),
@@ -17,6 +27,10 @@ def test_defaults():
     ({"cce_backward": "fast"}, "['filtered', 'exact']"),
     ({"cce_filter_eps": 2.0}, "[0, 1)"),
     ({"cce_min_vocab": -1}, ">= 0"),
+    ({"cce_policy": "fast"}, "option 'cce_policy' got 'fast'; valid values: ['memory', 'speed']"),
+    ({"cce_memory_threshold": -1}, "option 'cce_memory_threshold' must be >= 0 bytes"),
+    ({"cce_memory_threshold": 1.5}, "option 'cce_memory_threshold' must be a byte count (int)"),
+    ({"cce_memory_threshold": True}, "option 'cce_memory_threshold' must be a byte count (int)"),
     ({"passes": {"cce": "off"}}, "True/False"),
 ])
 def test_bad_options_name_the_valid_choices(bad, needle):

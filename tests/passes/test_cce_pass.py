@@ -2,6 +2,7 @@
 every unsupported variant is left alone, with a reason, and still matches eager."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -219,14 +220,14 @@ def test_the_cost_model_runs_once_per_head(monkeypatch, options, rewrites):
 
     runs = []
     estimate = plan.estimate_seconds
-    monkeypatch.setattr(plan, "estimate_seconds", lambda *a, **k: runs.append(a) or estimate(*a, **k))
+    monkeypatch.setattr(plan, "estimate_seconds", lambda *a, **k: runs.append((a, k)) or estimate(*a, **k))
     x, y = _inputs(8)
     report = cc.explain(Head("linear_mean"), x, y, options={"inner": "eager", **options})
     assert len(report.rewrites) == rewrites and len(report.rewrites) + len(_cce_skips(report)) == 1
     pinned = options.get("cce_strategy", "auto") != "auto"
     assert len(runs) == (0 if pinned else 1), runs  # a pinned path with cce_min_vocab needs no estimate
     if rewrites:
-        path = options.get("cce_strategy") or plan.choose_strategy(*runs[0][:4])
+        path = options.get("cce_strategy") or plan.choose_strategy(*runs[0][0][:4], rates=runs[0][1]["rates"])
         assert f"path={path}" in str(report) and f"'{path}'" in report.graphs[0].code
 
 
@@ -357,6 +358,55 @@ def test_cost_rule_leaves_small_vocabularies_alone_by_default():
     report = _against_eager(fn, vocab=3, options={"cce_min_vocab": None})
     ok, reason = fused_loss_pays(10, 8, 3, torch.float32, "cpu")
     assert not ok and report.rewrites == [] and _cce_skips(report) == [reason]
+
+
+# --- issue 21: the policy (memory by default), the device's rates, the logits' memory in explain ----
+
+def test_small_head_left_alone_naming_its_logits_memory():
+    """Default options, a tiny head on the CPU: its logits are below cce_memory_threshold and its fused
+    loss is slower at the CPU's rates (not the H200's): left alone, explain stating the logits' size."""
+    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
+
+    fn = lambda h, W, b, y: F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1))  # noqa: E731
+    report = _against_eager(fn, options={"cce_min_vocab": None})
+    (reason,) = _cce_skips(report)
+    assert report.rewrites == [] and reason.startswith("logits 2 KiB float32: below cce_memory_threshold 64 MiB, and ")
+    assert reason == fused_loss_pays(10, 8, V, torch.float32, "cpu")[1] != fused_loss_pays(10, 8, V, torch.float32, "cuda")[1]
+
+
+def _vocab_a_few_percent_slower(n_tokens, hidden, least):
+    """A vocabulary (>= least) whose fused loss the CPU's rates put slower than the unfused one, within
+    the memory policy's cap (found through the cost model, so it follows the rates)."""
+    from comera_compile.kernels.linear_cross_entropy_plan import CPU, MEMORY_POLICY_SLOWDOWN, decide_fused_loss
+
+    for vocab in range(least, 20001, 100):
+        if 1.0 < decide_fused_loss(n_tokens, hidden, vocab, torch.float32, rates=CPU).slowdown <= MEMORY_POLICY_SLOWDOWN:
+            return vocab
+    raise AssertionError(f"no vocabulary from {least} puts the fused loss within 1.15x")
+
+
+@pytest.mark.parametrize("policy", ["memory", "speed"])
+def test_policy_decides_a_head_a_few_percent_slower(policy):
+    """A head whose fused loss is estimated a few percent slower on the CPU, its logits above the
+    threshold: the memory policy fuses it (explain: the memory avoided and the estimated slowdown) and
+    loss and gradients equal eager's; the speed policy leaves it, stating the logits' memory. With the
+    default threshold (64 MiB) the memory policy leaves it too."""
+    B, T, hidden = 4, 32, 16
+    vocab = _vocab_a_few_percent_slower(B * T, hidden, least=(1 << 20) // (B * T * 4) + 1)
+    logits = f"logits {B * T * vocab * 4 / 2**20:.3g} MiB float32"
+    fn = lambda h, W, b, y: F.cross_entropy(F.linear(h, W).view(-1, vocab), y.view(-1))  # noqa: E731
+    options = {"cce_min_vocab": None, "cce_policy": policy, "cce_memory_threshold": 1 << 20}
+    report = _against_eager(fn, B=B, T=T, hidden=hidden, vocab=vocab, options=options)
+    if policy == "memory":
+        assert [r.kind for r in report.rewrites] == ["cce"] and _cce_skips(report) == [], str(report)
+        assert re.search(rf"path=chunked; {logits} avoided, for an estimated 1\.\d\dx the unfused loss's time$",
+                         report.rewrites[0].detail), report.rewrites[0].detail
+        torch._dynamo.reset()
+        report = _against_eager(fn, B=B, T=T, hidden=hidden, vocab=vocab, options={"cce_min_vocab": None})
+        assert _cce_skips(report)[0].startswith(f"{logits}: below cce_memory_threshold 64 MiB")
+    else:
+        (reason,) = _cce_skips(report)
+        assert report.rewrites == [] and reason.endswith(f"; {logits} (cce_policy='speed')"), reason
 
 
 # --- never a wrong number: writes between the head and the loss, scales and biases at the edges ------
