@@ -22,7 +22,9 @@ Presets set the defaults that flags given on the command line override:
   cpu (default): d_model 128, 2 layers, 4 heads, fused qkv, byte tokens, seq 128, batch 16, lr 3e-3, 150 steps,
        corpus stdlib (all of it, ~30 MB)
   gpu: d_model 768, 6 layers, 12 heads, separate q/k/v, BPE vocabulary 16384, seq 512, batch 32,
-       lr 1e-3, 1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches;
+       1000 steps, bf16 autocast on CUDA, fused AdamW; validation every 100 steps on 16 fixed batches;
+       lr by what is compressed (the best of each in the quality benchmark: dense 6e-4, TT-matrix and BTT
+       4.8e-3, rank-adaptive 2.4e-3, "tt" 1.2e-3, low-rank 2.4e-3, low-rank + activation 1.2e-3);
        corpus python capped at 200 MB (the run prints its token counts)
 
 Compression: --tensorize RANK tensorizes the kinds of layer --compress names (attn, mlp, tok, pos, head;
@@ -68,7 +70,7 @@ PRESETS = {
     "cpu": dict(steps=150, batch_size=16, seq_len=128, lr=3e-3, d_model=128, n_layers=2, n_heads=4, qkv="fused",
                 tokenizer="bytes", vocab_size=None, precision="auto", device="auto", eval_every=50, eval_batches=8,
                 corpus="stdlib", max_corpus_mb=None),
-    "gpu": dict(steps=1000, batch_size=32, seq_len=512, lr=1e-3, d_model=768, n_layers=6, n_heads=12,
+    "gpu": dict(steps=1000, batch_size=32, seq_len=512, lr=None, d_model=768, n_layers=6, n_heads=12,
                 qkv="separate", tokenizer="bpe", vocab_size=16384, precision="bf16", device="cuda", eval_every=100,
                 eval_batches=16, corpus="python", max_corpus_mb=200.0),
 }
@@ -376,6 +378,28 @@ def for_kind(mapping: dict | None, kind: str):
     return None
 
 
+# --preset gpu's learning rate when --lr is not given: each the best of its row in the quality benchmark
+# (GPT d 768, batch 32 x 512, 31 M tokens; a sweep of three, factor 2 apart). TT-matrix and BTT learned
+# best at 8x dense's lr, at the top of their sweeps.
+GPU_LRS = {"dense": 6e-4, "ttm": 4.8e-3, "btt": 4.8e-3, "rank-adapt": 2.4e-3, "tt": 1.2e-3, "lowrank": 2.4e-3,
+           "lowrank-act": 1.2e-3}
+
+
+def gpu_default_lr(args: argparse.Namespace) -> float:
+    """The learning rate ``--preset gpu`` gives the run the flags describe (:data:`GPU_LRS`); a
+    tensorized run with several formats takes the smallest of theirs."""
+    if args.btt is not None:
+        return GPU_LRS["btt"]
+    if args.lowrank is not None:
+        return GPU_LRS["lowrank" if args.lowrank_act == "none" else "lowrank-act"]
+    if args.tensorize is None:
+        return GPU_LRS["dense"]
+    if args.rank_adapt is not None:
+        return GPU_LRS["rank-adapt"]
+    formats = {for_kind(args.fmt, kind) or "auto" for kind in args.compress}
+    return min(GPU_LRS["tt" if fmt == "tt" else "ttm"] for fmt in formats)  # "auto": TT-matrix for every layer
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -384,7 +408,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--steps", type=int)
     g.add_argument("--batch-size", type=int)
     g.add_argument("--seq-len", type=int)
-    g.add_argument("--lr", type=float, help="peak learning rate (linear warmup, cosine decay to 10%%)")
+    g.add_argument("--lr", type=float, help="peak learning rate (linear warmup, cosine decay to 10%%); "
+                                            "--preset gpu: by what is compressed (see above)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     g.add_argument("--weight-decay", type=float, default=0.1, help="on dense matrices and embeddings")
     g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables clipping")
@@ -498,6 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tokenizer == "bytes" and "--vocab-size" not in given:
         args.vocab_size = None  # the preset's BPE vocabulary size does not apply to byte tokens
     _check_args(p, args)
+    if args.lr is None:
+        args.lr = gpu_default_lr(args)
     return args
 
 

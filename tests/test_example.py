@@ -592,3 +592,20 @@ def test_lowrank_run_trains_and_its_checkpoint_reloads(tmp_path):
                            str(dense)])
     with pytest.raises(RuntimeError, match="dense checkpoint"):
         train_lm.main(flags + ["--steps", "1", "--init-from", str(dense)])
+
+
+def test_gpu_preset_learning_rate_follows_the_quality_benchmark():
+    """--preset gpu starts each compression at the lr that won its row of the benchmark (BENCHMARKS.md
+    section 4); an explicit --lr and the cpu preset's are left as given."""
+    def lr(*flags):
+        return train_lm.parse_args(["--preset", "gpu", *flags]).lr
+
+    assert lr() == 6e-4
+    assert lr("--tensorize", "32") == lr("--tensorize", "32", "--fmt", "ttm") == 4.8e-3
+    assert lr("--tensorize", "32", "--fmt", "tt") == 1.2e-3
+    assert lr("--tensorize", "32", "--fmt", "attn=tt,mlp=ttm") == 1.2e-3  # the smaller of the two
+    assert lr("--tensorize", "64", "--rank-adapt", "3.5") == 2.4e-3
+    assert lr("--btt", "1") == 4.8e-3 and lr("--lowrank", "37") == 2.4e-3
+    assert lr("--lowrank", "37", "--lowrank-act", "silu") == 1.2e-3
+    assert lr("--tensorize", "32", "--lr", "1e-3") == 1e-3
+    assert train_lm.parse_args(["--tensorize", "8"]).lr == 3e-3  # the cpu preset
