@@ -13,6 +13,10 @@ Models:
   first token), batch 32 x 128. ``tt``: CoMERA's layout at rank 30 (``fmt="tt"`` Linears, TT-matrix
   embeddings: what ``tensorize_(model, TTConfig(rank=30))`` gave before ``"ttm"`` became the default); ``ttm``: every Linear as a
   TT-matrix at the rank that gives the same parameter count (embeddings as in ``tt``).
+* ``lm-d1024``, ``lm-d2048``, ``lm-d4096`` (``--model width``: the width sweep): Llama-style LMs of those
+  widths (8, 8 and 4 layers; heads of 128; FFN 8/3 d rounded up to 256; vocabulary 32000), 8 x 1024
+  tokens; ``ttm`` / ``tt``: the blocks' Linears at rank 32, the head and the embedding dense. Each row
+  also reports the step's floor at the H200's peak rates (``step_floor``) and the time over it.
 * ``llama``: a Llama-style causal LM from a ``transformers`` config (d 1024, 8 layers, 16 heads,
   FFN 4096, vocab 128256), 8 x 1024 tokens, the user's shifted cross-entropy outside the HF model but
   inside the compiled region. ``tt``: every Linear (``fmt="tt"``) and the token embedding (TT-matrix) at rank 32.
@@ -54,10 +58,22 @@ sys.path.insert(0, str(ROOT))
 
 import comera_compile as cc  # noqa: E402
 
+# The width sweep (--model width): Llama-style LMs, vocabulary 32000, 8 x 1024 tokens, Llama's FFN of
+# about 8/3 d (a multiple of 256); (layers, heads) per width, so that each fits one H200 with AdamW.
+WIDTHS = {1024: (8, 8), 2048: (8, 16), 4096: (4, 32)}
+WIDTH_MODELS = [f"lm-d{d}" for d in WIDTHS]
+WIDTH_VARIANTS = ["dense-inductor", "dense-inductor-cg", "ttm", "tt"]
 ALL = {
     "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-nocg", "tt-fp32", "ttm", "ttm-nocg"],
     "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-nocg"],
+    **{m: WIDTH_VARIANTS for m in WIDTH_MODELS},
 }
+PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12  # the H200's bf16 dense rate and its memory bandwidth
+
+
+def llama_ffn(d: int) -> int:
+    """Llama's FFN width, 8/3 of ``d`` rounded up to a multiple of 256."""
+    return -(-8 * d // 3 // 256) * 256
 
 
 # ----------------------------------------------------------------------------- models
@@ -140,7 +156,16 @@ def build(model_name: str, smoke: bool) -> tuple[nn.Module, callable]:
         return model, make
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if smoke:
+    if model_name in WIDTH_MODELS:
+        d = int(model_name[len("lm-d"):])
+        layers, heads = WIDTHS[d]
+        if smoke:  # the same shape rules at a sixteenth of the width
+            d, layers, heads = d // 16, 2, max(1, heads // 8)
+        cfg = LlamaConfig(vocab_size=1000 if smoke else 32000, hidden_size=d, intermediate_size=llama_ffn(d),
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                          max_position_embeddings=1024)
+        batch, seq = (2, 32) if smoke else (8, 1024)
+    elif smoke:
         cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
         batch, seq = 2, 32
@@ -171,7 +196,34 @@ def tensorize(model: nn.Module, model_name: str, fmt: str) -> None:
             cc.tensorize_(model, {"re:.*(word|position|token_type)": cc.TTConfig(rank=30, fmt="ttm"),
                                   "_default": cc.TTConfig(rank=rank, fmt="ttm")})
         return
+    if model_name in WIDTH_MODELS:  # the blocks only: the head and the embedding stay dense
+        cc.tensorize_(model, cc.TTConfig(rank=32, fmt=fmt), filter_fn=lambda module, fqn: ".layers." in fqn)
+        return
     cc.tensorize_(model, {"re:.*embed_tokens": cc.TTConfig(rank=32, fmt="ttm"), "_default": cc.TTConfig(rank=32, fmt="tt")})
+
+
+def step_floor(model: nn.Module, n_tokens: int, seq: int) -> dict:
+    """The step's floor at the H200's peak rates: FLOPs (6 x tokens x in x out per dense Linear; per
+    tensorized Linear the planner's chosen plan, forward and backward; causal attention at half of
+    ``12 x tokens x seq x d`` per layer) and bytes (each parameter read in the forward and the backward,
+    its gradient written, AdamW's fp32 update reading and writing the parameter and two moments:
+    ~10 fp32 accesses). The larger of the two times is the floor."""
+    from comera_compile.tt.planner import plan_linear
+
+    flops, tt_flops = 0, 0
+    tt_layers = {lay.fqn: lay for lay in cc.iter_tt_layers(model)}
+    for fqn, module in model.named_modules():
+        if fqn in tt_layers:
+            tt_flops += plan_linear(tt_layers[fqn].param.spec, n_tokens).flops
+        elif isinstance(module, nn.Linear):
+            flops += 6 * n_tokens * module.in_features * module.out_features
+    cfg = getattr(getattr(model, "model", None), "config", None)
+    if cfg is not None:
+        flops += cfg.num_hidden_layers * 6 * n_tokens * seq * cfg.hidden_size  # causal: half of 12 N T d
+    total = flops + tt_flops
+    nbytes = 10 * 4 * _count(model)
+    return {"floor_flops": total, "floor_tt_flops": tt_flops, "floor_bytes": nbytes,
+            "floor_ms": 1e3 * max(total / PEAK_FLOPS, nbytes / PEAK_BYTES)}
 
 
 def _iso_rank(model: nn.Module) -> int:
@@ -255,6 +307,7 @@ def run_variant(model_name: str, variant: str, args) -> dict:
         fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
+    floor = step_floor(model, batches[0][0].numel(), batches[0][0].shape[-1])
     autocast = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
     it = [0]
 
@@ -308,7 +361,7 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             "peak_alloc_mib": peak_alloc, "peak_reserved_mib": peak_res, "compile_s": compile_s,
             "first_loss": first_loss, "last_loss": float(loss), "params": params, "dense_params": dense_params,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "wall_s": time.perf_counter() - t0, **stats}
+            "torch": torch.__version__, "wall_s": time.perf_counter() - t0, **floor, **stats}
 
 
 def _host_profile(step, n: int, variant: str) -> None:
@@ -390,7 +443,7 @@ def drive(jobs: list[tuple[str, str]], args) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'model':<8} {'variant':<18} {'step ms':>8} {'vs dense':>8} {'alloc MiB':>9} {'resv MiB':>9} "
+    head = (f"{'model':<8} {'variant':<18} {'step ms':>8} {'vs dense':>8} {'x floor':>7} {'alloc MiB':>9} {'resv MiB':>9} "
             f"{'kernels':>8} {'gemm ms':>8} {'ind ms':>7} {'other ms':>8} {'adam ms':>7} {'compile s':>9} {'params':>11}")
     lines = [head]
     for r in results:
@@ -399,7 +452,8 @@ def table(results: list[dict]) -> str:
         ref = next((x for x in results if x["model"] == r["model"] and x["variant"] == (
             "dense-inductor-cg" if graphs else "dense-inductor")), None)
         vs = r["step_ms"] / ref["step_ms"] if ref else float("nan")
-        lines.append(f"{r['model']:<8} {r['variant']:<18} {r['step_ms']:8.2f} {vs:8.2f} {r['peak_alloc_mib']:9.0f} "
+        over = r["step_ms"] / r["floor_ms"] if r.get("floor_ms") else float("nan")
+        lines.append(f"{r['model']:<8} {r['variant']:<18} {r['step_ms']:8.2f} {vs:8.2f} {over:7.1f} {r['peak_alloc_mib']:9.0f} "
                      f"{r['peak_reserved_mib']:9.0f} {r.get('kernels_per_step', float('nan')):8.0f} "
                      f"{r.get('gpu_ms_gemm', float('nan')):8.2f} {r.get('gpu_ms_inductor', float('nan')):7.2f} "
                      f"{r.get('gpu_ms_other', float('nan')):8.2f} {r.get('gpu_ms_adam', float('nan')):7.2f} "
@@ -409,7 +463,8 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["encoder", "llama", "all"], default="all")
+    ap.add_argument("--model", choices=["encoder", "llama", "all", "width"] + WIDTH_MODELS, default="all",
+                    help="width: the width sweep (" + ", ".join(WIDTH_MODELS) + ")")
     ap.add_argument("--variants", default=None,
                     help="comma-separated (default: all of the model's); MODEL:VARIANT names one model's")
     ap.add_argument("--steps", type=int, default=30)
@@ -428,7 +483,7 @@ def main(argv=None) -> list[dict]:
         (variant,) = args.variants.split(",")
         Path(args.out_one).write_text(json.dumps(run_variant(args.model, variant, args)))
         return []
-    models = ["encoder", "llama"] if args.model == "all" else [args.model]
+    models = {"all": ["encoder", "llama"], "width": WIDTH_MODELS}.get(args.model, [args.model])
     jobs = [(m, v) for m in models for v in (args.variants.split(",") if args.variants else ALL[m])]
     jobs = [(v.split(":")[0], v.split(":")[1]) if ":" in v else (m, v) for m, v in jobs]  # "llama:tt"
     jobs = [j for j in dict.fromkeys(jobs) if j[0] in models]
