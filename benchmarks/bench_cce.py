@@ -50,13 +50,15 @@ if not torch.cuda.is_available():  # read when the kernels are decorated: before
 
 SHAPES = {"gemma": (8192, 2304, 256000), "llama": (8192, 4096, 128256),
           "lm1024": (8192, 1024, 128256), "tt32": (8192, 32, 128256)}
-SMOKE_SHAPES = {"small": (96, 48, 500), "tt16": (64, 16, 300)}
+SMOKE_SHAPES = {"small": (96, 48, 500), "tt16": (64, 16, 300), "cpu-lm": (1024, 512, 32768)}
+SMOKE_DEFAULT = ("small", "tt16")  # cpu-lm: the CPU comparison at a small LM head (--impl auto)
 TRANSPOSED = {"tt32", "tt16"}  # the weight is R^T, a strided view
 GEMM_TFLOPS = 790.0  # bf16 peak rate on the H200
 HBM_TBPS = 4.3
 MIB = 1 << 20
-PEERS = ("eager", "torch.compile", "cut-cross-entropy", "liger")
-METHODS = "eager,torch.compile,cut-cross-entropy,liger,auto,sparse,static,chunked,fused,graph"
+PEERS = ("eager", "torch.compile", "cut-cross-entropy", "liger", "torch-lce", "torch-lce-chunked")
+METHODS = ("eager,torch.compile,cut-cross-entropy,liger,torch-lce,torch-lce-chunked,auto,sparse,static,chunked,"
+           "fused,graph")
 SMOKE_METHODS = "eager,auto,sparse,static,chunked,fused"
 
 
@@ -133,6 +135,16 @@ def peer_methods(which, device):
             out["cut-cross-entropy"] = lambda x, w, t: cce(x, w.contiguous(), t)
         except Exception as e:  # noqa: BLE001
             print("cut-cross-entropy unavailable:", e)
+    # torch >= 2.13's own F.linear_cross_entropy: its reference path (options=None) and its chunked one
+    lce = getattr(F, "linear_cross_entropy", None)
+    if lce is None and {"torch-lce", "torch-lce-chunked"} & set(which):
+        print(f"torch-lce unavailable: torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13)")
+    elif lce is not None:
+        if "torch-lce" in which:
+            out["torch-lce"] = lambda x, w, t: lce(x, w, t)
+        if "torch-lce-chunked" in which:
+            chunked = torch.nn.LinearCrossEntropyOptions()
+            out["torch-lce-chunked"] = lambda x, w, t: lce(x, w, t, options=chunked)
     if "liger" in which and device == "cuda":
         try:
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -175,7 +187,7 @@ def bench_ms(fn, rep_ms, device):
 
         return do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median")
     times = []
-    for _ in range(2):
+    for _ in range(5):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -302,6 +314,9 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--tuning", default="", help="k=v,... CCETuning overrides for ours")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU (Triton interpreter)")
+    ap.add_argument("--impl", choices=["auto", "triton", "torch"], default=None,
+                    help="our op's implementation (default: auto on the GPU, triton, i.e. the interpreter, with "
+                         "--smoke on the CPU; auto on the CPU runs its torch reference, what CPU users get)")
     args = ap.parse_args(argv)
 
     from comera_compile.kernels.linear_cross_entropy import CCETuning, cce_tuning
@@ -310,9 +325,9 @@ def main(argv=None):
     if device == "cpu" and not args.smoke:
         ap.error("no GPU: use --smoke")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    names = args.shapes.split(",") if args.shapes else list(shapes)
+    names = args.shapes.split(",") if args.shapes else list(SMOKE_DEFAULT if args.smoke else shapes)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    impl = "auto" if device == "cuda" else "triton"
+    impl = args.impl or ("auto" if device == "cuda" else "triton")
     which = (args.methods or (SMOKE_METHODS if args.smoke else METHODS)).split(",")
     budgets = [int(b) * MIB for b in args.budgets_mib.split(",")]
     types = {f.name: f.type for f in CCETuning.__dataclass_fields__.values()}
