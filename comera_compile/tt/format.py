@@ -1,4 +1,4 @@
-"""Tensor-train (TT) and TT-matrix (TTM) formats as pure functions.
+"""Tensor-train (TT), TT-matrix (TTM) and block tensor-train (BTT) formats as pure functions.
 
 A TT layer stores a matrix ``M`` of logical shape ``[rows, cols]`` padded to
 ``[prod(row_modes), prod(col_modes)]``:
@@ -11,6 +11,15 @@ A TT layer stores a matrix ``M`` of logical shape ``[rows, cols]`` padded to
 
 Both formats are handled here as one *chain* of 3-D cores ``[r_{k-1}, s_k, r_k]`` (``s_k = n_k`` for
 TT, ``s_k = m_k * n_k`` for TTM); only the index permutation at the end differs.
+
+* ``"btt"`` (two-core block tensor-train, Qiu et al. 2024; a Monarch matrix at rank 1) is not a
+  chain: ``row_modes = (b1, b2)`` (``b1`` row blocks of ``b2``), ``col_modes = (c, a)`` (``c`` column
+  blocks of ``a``), cores ``R [b1, b2, c, r]`` and ``L [r, c, b1, a]``, one gate ``g`` on the rank
+  bond: ``M[(j, b), (c, a)] = sum_k R[j, b, c, k] g[k] L[k, c, j, a]``. Every ``(j, c)`` block of
+  ``M`` is a ``b2 x a`` matrix of rank <= r, while ``M`` itself is full-rank in general. Its rank sits
+  last in the first core and first in the second, as a chain's internal bond does, so rank pruning
+  slices it like one; ``ranks`` is ``(1, r, 1)``. It has its own contraction (:func:`_btt_materialize`),
+  init and SVD (:func:`_btt_svd`, exact: one truncated SVD per block).
 
 :class:`TTSpec` is the one description of a layer (format, modes, ranks, logical matrix): it checks
 itself when built, checks cores against itself (:meth:`TTSpec.check_cores`), reads its ranks off
@@ -30,9 +39,11 @@ from typing import Any, Literal, NamedTuple, Sequence, get_args
 
 import sympy
 import torch
+import torch.nn.functional as F
 
-#: The TT formats: ``"tt"`` (CoMERA's linear format) and ``"ttm"`` (TT-matrix / MPO).
-Format = Literal["tt", "ttm"]
+#: The formats: ``"tt"`` (CoMERA's linear format), ``"ttm"`` (TT-matrix / MPO) and ``"btt"``
+#: (two-core block tensor-train).
+Format = Literal["tt", "ttm", "btt"]
 FORMATS: tuple[str, ...] = get_args(Format)
 
 __all__ = [
@@ -48,12 +59,14 @@ __all__ = [
     "count_params",
     "default_n_modes",
     "factorize",
+    "fit_ranks",
     "materialize",
     "materialize_vjp",
     "n_cores",
     "normalize_ranks",
     "random_cores",
     "rank_bounds",
+    "ranks_from_shapes",
     "join_flat",
     "spec_from_cores",
     "split_flat",
@@ -81,13 +94,21 @@ def _check_format(fmt: Any) -> None:
 
 
 def n_cores(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> int:
-    """How many cores the format has: one per mode for TT, one per (row, column) mode pair for TTM."""
+    """How many cores the format has: one per mode for TT, one per (row, column) mode pair for TTM,
+    two for BTT."""
+    if fmt == "btt":
+        return 2
     return len(row_modes) + len(col_modes) if fmt == "tt" else len(row_modes)
 
 
 def chain_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> tuple[tuple[int, int], ...]:
     """The (row, column) extent of each core's middle index: ``(m, 1)`` / ``(1, n)`` for a ``"tt"``
-    row / column core, ``(m, n)`` for a ``"ttm"`` core (the chain mode ``s_k`` is their product)."""
+    row / column core, ``(m, n)`` for a ``"ttm"`` core (the chain mode ``s_k`` is their product).
+    ``"btt"``: ``(b1 * b2, c)`` for ``R`` and ``(b1, c * a)`` for ``L`` (the row and column indices each
+    core touches), so ``s_k`` is again the core's parameters per unit of rank."""
+    if fmt == "btt":
+        (b1, b2), (c, a) = row_modes, col_modes
+        return ((int(b1) * int(b2), int(c)), (int(b1), int(c) * int(a)))
     if fmt == "tt":
         return tuple((int(m), 1) for m in row_modes) + tuple((1, int(n)) for n in col_modes)
     return tuple((int(m), int(n)) for m, n in zip(row_modes, col_modes))
@@ -101,6 +122,23 @@ def core_sizes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]) -> 
 def chain_ranks(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """``(r_0, ..., r_d)`` read off the core shapes (core ``k`` is ``[r_{k-1}, ..., r_k]``)."""
     return tuple(int(s[0]) for s in shapes) + (int(shapes[-1][-1]),)
+
+
+def ranks_from_shapes(fmt: str, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The ranks ``(1, ..., 1)`` of a layer of format ``fmt`` read off its core shapes: the chain's
+    (:func:`chain_ranks`), or ``(1, r, 1)`` for ``"btt"`` (``R``'s last dimension)."""
+    if fmt == "btt":
+        return (1, int(shapes[0][-1]), 1)
+    return chain_ranks(shapes)
+
+
+def fit_ranks(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int],
+              ranks: Sequence[int]) -> tuple[int, ...]:
+    """``ranks`` capped where a larger rank cannot help: :func:`cap_ranks` of the chain, or for
+    ``"btt"`` the block rank ``min(b2, a)`` (each ``b2 x a`` block has no higher rank)."""
+    if fmt == "btt":
+        return (1, min(int(ranks[1]), int(row_modes[1]), int(col_modes[1])), 1)
+    return cap_ranks(core_sizes(fmt, row_modes, col_modes), ranks)
 
 
 def rank_bounds(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -160,7 +198,11 @@ def cap_ranks(sizes: Sequence[int], ranks: Sequence[int]) -> tuple[int, ...]:
 def core_shapes(
     fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int]
 ) -> tuple[tuple[int, ...], ...]:
-    """Shape of every core: ``[r, n, r]`` for TT, ``[r, m, n, r]`` for TTM."""
+    """Shape of every core: ``[r, n, r]`` for TT, ``[r, m, n, r]`` for TTM, ``R [b1, b2, c, r]`` and
+    ``L [r, c, b1, a]`` for BTT."""
+    if fmt == "btt":
+        (b1, b2), (c, a), r = row_modes, col_modes, ranks[1]
+        return ((b1, b2, c, r), (r, c, b1, a))
     if fmt == "tt":
         modes = tuple(row_modes) + tuple(col_modes)
         return tuple((ranks[k], modes[k], ranks[k + 1]) for k in range(len(modes)))
@@ -217,6 +259,11 @@ class TTSpec(_SpecFields):
             raise ValueError("row_modes and col_modes must each have at least one mode")
         if any(m < 1 for m in self.row_modes + self.col_modes):
             raise ValueError(f"modes must be positive: {list(self.row_modes)}, {list(self.col_modes)}")
+        if self.fmt == "btt" and (len(self.row_modes), len(self.col_modes)) != (2, 2):
+            raise ValueError(
+                "the block tensor-train format needs two row modes (b1 blocks of b2) and two column modes "
+                f"(c blocks of a), got {list(self.row_modes)} and {list(self.col_modes)}"
+            )
         if self.fmt == "ttm" and len(self.row_modes) != len(self.col_modes):
             raise ValueError(
                 "the TT-matrix format needs as many row modes as column modes, got "
@@ -251,7 +298,8 @@ class TTSpec(_SpecFields):
                              f"{d} cores, got {len(cores)}")
         if not cores:
             raise ValueError("at least one core is required")
-        spec = cls(fmt, row_modes, col_modes, chain_ranks([c.shape for c in cores]), rows, cols, transpose)
+        spec = cls(fmt, row_modes, col_modes, ranks_from_shapes(fmt, [c.shape for c in cores]), rows, cols,
+                   transpose)
         if gates is not None:
             spec.check_cores(cores, gates)
         return spec
@@ -325,7 +373,8 @@ class TTSpec(_SpecFields):
     def bottleneck(self) -> int | None:
         """The bond between the row and the column modes, through which ``M = L @ R`` is a product of
         rank ``ranks[bottleneck]`` (``"tt"``); None where no bond separates them (``"ttm"``: every
-        core holds a row and a column mode)."""
+        core holds a row and a column mode; ``"btt"``: both cores hold the row block index ``b1`` and
+        the column block index ``c``)."""
         return len(self.row_modes) if self.fmt == "tt" else None
 
     @property
@@ -357,7 +406,10 @@ class TTSpec(_SpecFields):
                       self.cols, self.transpose)
 
     def describe(self) -> str:
-        """Factorization as CoMERA writes it: ``[12,8,8]||[8,8,12]`` or ``[[16,20,10,10],[4,4,8,6]]``."""
+        """Factorization as CoMERA writes it: ``[12,8,8]||[8,8,12]`` or ``[[16,20,10,10],[4,4,8,6]]``;
+        a block tensor-train as its blocks, ``[32x24]|[32x24]`` (row blocks x size, column blocks x size)."""
+        if self.fmt == "btt":
+            return "[{}x{}]|[{}x{}]".format(*self.row_modes, *self.col_modes)
         rm = ",".join(map(str, self.row_modes))
         cm = ",".join(map(str, self.col_modes))
         return f"[{rm}]||[{cm}]" if self.fmt == "tt" else f"[[{rm}],[{cm}]]"
@@ -452,7 +504,10 @@ def factorize(n: int, n_modes: int, *, max_pad: float = 0.1, slack: float = 0.25
 def arrange_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]):
     """Order modes so the largest sit at the ends of the chain, where one bond is 1 and the bound
     on the other bond is the mode itself. TT: rows descending, columns ascending (CoMERA's
-    ``[12,8,8]||[8,8,12]``); TTM: both alternately from the outside in."""
+    ``[12,8,8]||[8,8,12]``); TTM: both alternately from the outside in; BTT: both descending, more
+    blocks than block size (the prototype's choice of ``b1`` and ``c``)."""
+    if fmt == "btt":
+        return tuple(sorted(row_modes, reverse=True)), tuple(sorted(col_modes, reverse=True))
     if fmt == "tt":
         return tuple(sorted(row_modes, reverse=True)), tuple(sorted(col_modes))
 
@@ -570,9 +625,12 @@ def materialize(
     """The layer's weight: ``M[:rows, :cols]`` (or its transpose), contiguous.
 
     Builds ``L`` (left cores) and ``R`` (right cores) then one GEMM ``L @ R`` (CoMERA's order for
-    TT; for TTM the row/column indices are interleaved and permuted at the end).
+    TT; for TTM the row/column indices are interleaved and permuted at the end). BTT: one batched
+    GEMM over the blocks (:func:`_btt_materialize`).
     """
     spec.check_cores(cores, gates)
+    if spec.fmt == "btt":
+        return _btt_materialize(cores, gates, spec)
     dtype = _dtype(cores)
     d, P, Q = spec.n_cores, spec.padded_rows, spec.padded_cols
     chain = _chain(cores, gates, spec, dtype)
@@ -638,6 +696,8 @@ def materialize_vjp(
     ``dC_k = L_{k-1}^T Y_k`` going left and ``dC_k = Z_k R_{k+1}^T`` going right.
     """
     spec.check_cores(cores, gates)
+    if spec.fmt == "btt":
+        return _btt_materialize_vjp(cores, gates, spec, grad)
     dtype = _dtype(cores)
     s, r, d = spec.sizes, spec.ranks, spec.n_cores
     chain = _chain(cores, gates, spec, dtype)
@@ -676,6 +736,87 @@ def materialize_vjp(
     return grad_cores, grad_gates
 
 
+# The block tensor-train: M[(j, b), (c, a)] = sum_k R[j, b, c, k] g[k] L[k, c, j, a]. The einsum
+# strings name j = b1 (row block), b = b2, c (column block), a, k (rank); "W" is the transposed layout.
+_BTT_M, _BTT_W = "jbca", "cajb"
+
+
+def _btt_layout(spec: TTSpec) -> str:
+    """The einsum indices of the padded output: ``M`` [(j, b), (c, a)] or, transposed, ``W``."""
+    return _BTT_W if spec.transpose else _BTT_M
+
+
+def _btt_materialize(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec) -> torch.Tensor:
+    """The BTT weight: for every block ``(j, c)``, ``R[j, :, c, :] diag(g) L[:, c, j, :]``, a batched
+    GEMM of ``2 * r * P * Q`` FLOPs (``P x Q`` the padded matrix), cropped and contiguous."""
+    R, L = cores
+    rg = R * gates[0].to(R.dtype)
+    full = torch.einsum(f"jbck,kcja->{_btt_layout(spec)}", rg, L.to(R.dtype))
+    P, Q = spec.padded_rows, spec.padded_cols
+    if spec.transpose:
+        return full.reshape(Q, P)[: spec.cols, : spec.rows].contiguous()
+    return full.reshape(P, Q)[: spec.rows, : spec.cols].contiguous()
+
+
+def _btt_materialize_vjp(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec,
+                         grad: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients of :func:`_btt_materialize`: with ``G`` the output gradient zero-padded,
+    ``dL = einsum(G, R g)``, ``d(R g) = einsum(G, L)``, ``dR = d(R g) g`` and
+    ``dg = sum d(R g) * R`` (plain einsums, so the backward is itself differentiable)."""
+    R, L = cores
+    dtype = R.dtype
+    g = gates[0].to(dtype)
+    P, Q = spec.padded_rows, spec.padded_cols
+    (b1, b2), (c, a) = spec.row_modes, spec.col_modes
+    grad = grad.to(dtype)
+    if spec.transpose:
+        padded = F.pad(grad, (0, P - spec.rows, 0, Q - spec.cols)).reshape(c, a, b1, b2)
+    else:
+        padded = F.pad(grad, (0, Q - spec.cols, 0, P - spec.rows)).reshape(b1, b2, c, a)
+    out = _btt_layout(spec)
+    d_rg = torch.einsum(f"{out},kcja->jbck", padded, L.to(dtype))
+    d_l = torch.einsum(f"{out},jbck->kcja", padded, R * g)
+    d_g = (d_rg * R).sum(dim=(0, 1, 2))
+    return [(d_rg * g).to(R.dtype), d_l.to(L.dtype)], [d_g.to(gates[0].dtype)]
+
+
+def _btt_random_cores(spec: TTSpec, std: float, *, dtype, device, generator) -> list[torch.Tensor]:
+    """Each core N(0, s^2 / fan_in), fan-in ``b2`` for ``R`` and ``b1 * r`` for ``L``, with
+    ``s = (std^2 * b1 * b2) ** 0.25``: every entry of ``M`` sums ``r`` products of independent
+    entries, so its variance is ``r * s^2 / b2 * s^2 / (b1 r) = std^2`` (gates at 1)."""
+    (b1, b2), r = spec.row_modes, spec.ranks[1]
+    scale = (float(std) ** 2 * b1 * b2) ** 0.25
+    fans = (b2, b1 * max(r, 1))
+    return [torch.randn(shape, dtype=dtype, device=device, generator=generator) * (scale / math.sqrt(fan))
+            for shape, fan in zip(spec.core_shapes, fans)]
+
+
+def _btt_svd(m: torch.Tensor, spec: TTSpec, tol: float | None) -> list[torch.Tensor]:
+    """The optimal BTT of ``m`` (logical ``[rows, cols]``, float32/64) at rank <= ``spec.ranks[1]``:
+    the blocks ``M[(j, :), (c, :)]`` are independent ``b2 x a`` matrices, each of rank <= r, so one
+    truncated SVD per block is optimal in Frobenius norm (Eckart-Young per block). With ``tol``, the
+    rank is the smallest whose discarded energy over all blocks stays within ``(tol * ||M||)^2``.
+    Returns the cores, ``sqrt`` of the singular values on each side (balanced norms, gate 1)."""
+    P, Q = spec.padded_rows, spec.padded_cols
+    (b1, b2), (c, a) = spec.row_modes, spec.col_modes
+    padded = m.new_zeros(P, Q)
+    padded[: spec.rows, : spec.cols] = m
+    blocks = padded.reshape(b1, b2, c, a).permute(0, 2, 1, 3)  # [j, c, b, a]
+    u, sv, vh = torch.linalg.svd(blocks, full_matrices=False)  # u [j, c, b, q], vh [j, c, q, a]
+    r = min(spec.ranks[1], sv.shape[-1])
+    if tol is not None:
+        energy = (sv.double() ** 2).sum(dim=(0, 1))  # per rank position, over every block
+        tail = torch.flip(torch.cumsum(torch.flip(energy, [0]), 0), [0])  # tail[k] = discarded at rank k
+        budget = (tol * torch.linalg.vector_norm(m.double())) ** 2
+        ok = (tail <= budget).nonzero()
+        needed = int(ok[0].item()) if ok.numel() else sv.shape[-1]
+        r = max(1, min(r, needed))
+    root = sv[..., :r].sqrt()
+    R = (u[..., :r] * root[:, :, None, :]).permute(0, 2, 1, 3)  # [j, b, c, k]
+    L = (vh[:, :, :r, :] * root[..., None]).permute(2, 1, 0, 3)  # [k, c, j, a]
+    return [R.contiguous(), L.contiguous()]
+
+
 # ----------------------------------------------------------------------------------------------
 # Initialization and decomposition
 # ----------------------------------------------------------------------------------------------
@@ -692,7 +833,10 @@ def random_cores(
     """CoMERA's initialization: ``core_k = randn / sqrt(r_k) * std ** (1 / d)`` (``r_k`` the core's
     right rank). With gates at 1, every entry of the materialized matrix then has variance
     ``std ** 2`` exactly in expectation: each entry sums ``prod(internal ranks)`` products of ``d``
-    independent core entries."""
+    independent core entries. BTT: the prototype's fan-in init with the same entry variance
+    (:func:`_btt_random_cores`)."""
+    if spec.fmt == "btt":
+        return _btt_random_cores(spec, std, dtype=dtype, device=device, generator=generator)
     d = spec.n_cores
     scale = float(std) ** (1.0 / d)
     cores = []
@@ -729,6 +873,7 @@ def tt_svd(
     Runs on ``matrix.device`` in at least float32; the cores come back in ``matrix.dtype`` with
     balanced norms (gates at 1). Returns ``(cores, rel_error)`` where
     ``rel_error = ||M_tt - M|| / ||M||`` on the logical matrix (the padding cropped away).
+    BTT: exact block-wise SVD (:func:`_btt_svd`); ``tol`` bounds its total relative error directly.
     """
     if tuple(matrix.shape) != (spec.rows, spec.cols):
         raise ValueError(f"matrix has shape {tuple(matrix.shape)}, expected {(spec.rows, spec.cols)}")
@@ -736,6 +881,8 @@ def tt_svd(
         raise ValueError(f"tol must be >= 0, got {tol}")
     work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
     m = matrix.detach().to(work)
+    if spec.fmt == "btt":
+        return _tt_svd_btt(matrix, m, spec, tol)
     s, d = spec.sizes, spec.n_cores
     norm = torch.linalg.vector_norm(m).item()
     delta = 0.0 if tol is None or d == 1 else tol * norm / math.sqrt(d - 1)
@@ -770,3 +917,14 @@ def tt_svd(
     err = torch.linalg.vector_norm(approx - m).item()
     rel = err / norm if norm > 0 else err
     return [c.to(matrix.dtype).contiguous() for c in shaped], rel
+
+
+def _tt_svd_btt(matrix: torch.Tensor, m: torch.Tensor, spec: TTSpec, tol: float | None):
+    """:func:`tt_svd` for ``"btt"``: the cores of :func:`_btt_svd` and their relative error."""
+    cores = _btt_svd(m, spec, tol)
+    out_spec = TTSpec(spec.fmt, spec.row_modes, spec.col_modes, ranks_from_shapes(spec.fmt, [c.shape for c in cores]),
+                      spec.rows, spec.cols, False)
+    approx = materialize(cores, [cores[0].new_ones(out_spec.ranks[1])], out_spec)
+    norm = torch.linalg.vector_norm(m).item()
+    err = torch.linalg.vector_norm(approx - m).item()
+    return [c.to(matrix.dtype).contiguous() for c in cores], (err / norm if norm > 0 else err)

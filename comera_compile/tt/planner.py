@@ -512,6 +512,10 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
 
 def _plannable(spec: TTSpec, what: str) -> TTSpec:
     """The structure to plan for ``spec`` (a ValueError when there is nothing to plan)."""
+    if spec.fmt == "btt":
+        raise ValueError(f"a 'btt' {what} has no contraction to plan: its weight is formed by the marker op "
+                         f"({2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} FLOPs, one batched GEMM), "
+                         "then used as a dense weight")
     s = _structure(spec)
     _check_alphabet(s)
     if s.n_cores < 2:

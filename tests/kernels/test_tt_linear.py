@@ -165,7 +165,7 @@ def test_bad_metadata_names_the_function():
     cores, gates = ref.make_cores(fmt, rm, cm, ranks, dtype=torch.float32)
     with pytest.raises(ValueError, match="comera::tt_linear: .tt. with row_modes"):
         tt_linear(torch.randn(2, rows), cores[:2], gates[:1], None, fmt, rm, cm, rows, cols)
-    with pytest.raises(ValueError, match="fmt must be 'tt' or 'ttm'"):
+    with pytest.raises(ValueError, match="fmt must be 'tt', 'ttm' or 'btt'"):
         tt_linear(torch.randn(2, rows), cores, gates, None, "cp", rm, cm, rows, cols)
     with pytest.raises(ValueError, match="exceed the padded shape"):
         tt_linear(torch.randn(2, 99), cores, gates, None, fmt, rm, cm, 99, cols)

@@ -123,7 +123,7 @@ def test_fewer_flops_than_einsum_default(args, ratio):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="'tt' or 'ttm'"):
+    with pytest.raises(ValueError, match="'tt', 'ttm' or 'btt'"):
         plan_tt_linear("cp", (4,), (4,), (1, 2, 1), 8)
     with pytest.raises(ValueError, match="ranks must have"):
         plan_tt_linear("tt", (4,), (4,), (1, 2, 2, 1), 8)

@@ -45,7 +45,7 @@ def test_from_cores_checks_once():
     assert TTSpec.from_cores(cores, "tt", (3, 4), (5,), 11, 5, gates=gates) == spec
     with pytest.raises(ValueError, match="'tt' with row_modes \\[3, 4\\] and col_modes \\[5\\] needs 3 cores, got 2"):
         TTSpec.from_cores(cores[:2], "tt", (3, 4), (5,), 11, 5)
-    with pytest.raises(ValueError, match="fmt must be 'tt' or 'ttm'"):
+    with pytest.raises(ValueError, match="fmt must be 'tt', 'ttm' or 'btt'"):
         TTSpec.from_cores(cores, "cp", (3, 4), (5,), 11, 5)
     with pytest.raises(ValueError, match="core 1 has shape"):
         TTSpec.from_cores([cores[0], cores[1][:, :3], cores[2]], "tt", (3, 4), (5,), 11, 5, gates=gates)
