@@ -100,6 +100,7 @@ EMB_STD = ("--tt-init-std", "emb=0.02")  # the dense model's embedding init (ten
 WIDE_LRS = (3e-4, 6e-4, 1.2e-3)
 NARROW_LRS = (6e-4, 1.2e-3, 2.4e-3)
 FACTORED_LRS = (1.2e-3, 2.4e-3, 4.8e-3)
+HIGH_LRS = (2.4e-3, 4.8e-3, 9.6e-3)  # TT-matrix and BTT were best at the top of FACTORED_LRS
 CONFIGS: dict[str, Config] = {
     # the baselines
     "dense": Config("dense baseline, seed 0", lrs=WIDE_LRS),
@@ -117,9 +118,11 @@ CONFIGS: dict[str, Config] = {
     "defaults": Config("tensorize_ defaults on every layer (tied head/embedding skipped)",
                        ("--tensorize", "default", "--compress", "attn,mlp,tok,pos,head")),
     # fixed ranks
-    "ttm-r16": Config("blocks ttm rank 16", ("--tensorize", "16") + TTM),
+    "ttm-r16": Config("blocks ttm rank 16", ("--tensorize", "16") + TTM, lrs=HIGH_LRS),
     "ttm-r32": Config("blocks ttm rank 32", ("--tensorize", "32") + TTM, lrs=FACTORED_LRS),
-    "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM),
+    "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM, lrs=HIGH_LRS),
+    "dense-d512": Config("dense at d 512 (a point between dense-iso and dense on the parameter axis)",
+                         ("--d-model", "512", "--n-heads", "8"), lrs=NARROW_LRS),
     "tt-r32": Config("blocks tt rank 32", ("--tensorize", "32", "--fmt", "tt")),
     # rank adaptation
     "adapt-r64": Config("rank-adaptive from ttm r64 to the size of ttm-r32 (RankAdaptation defaults, pruning every "
@@ -178,7 +181,11 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
-GROUPS = {  # benchmark: the quality benchmark's rows (with --lrs); first, second: the earlier study's two calls
+# benchmark: the quality benchmark's rows (with --lrs grid); next: its follow-ups (past the top of the sweeps
+# where the best was at the edge, other TT-matrix ranks, a third dense size); first, second: the earlier
+# short study's two calls
+GROUPS = {
+    "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",

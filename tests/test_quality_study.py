@@ -32,6 +32,8 @@ def test_every_configuration_resolves(tmp_path, capsys):
         assert f"\n{name} " in listed or listed.startswith(f"{name} ") or f"\n{name}" in listed, name
     grouped = study.GROUPS["first"] + study.GROUPS["second"]
     assert len(set(grouped)) == len(grouped) and set(grouped) <= set(study.CONFIGS)
+    for group in study.GROUPS.values():  # NAME or NAME@LR of a known configuration
+        assert all(study.split_name(name)[0] in study.CONFIGS for name in group), group
 
 
 def test_iso_width_and_matched_ranks(tmp_path):
