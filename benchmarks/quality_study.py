@@ -65,7 +65,8 @@ SMOKE_SIZES = {"steps": 20, "batch_size": 4, "seq_len": 32, "eval_every": 10, "c
 class Config:
     """One run: train_lm flags on top of ``--preset gpu`` and the study's shared flags.
 
-    ``{ckpt:NAME}`` in ``args`` is the checkpoint of run NAME (which then runs first and saves one).
+    ``{ckpt:NAME}`` in ``args`` is the checkpoint of run NAME (which then runs first and saves one);
+    ``{steps/N}`` the study's steps divided by N.
     ``iso_of``: a dense model as wide as gives the parameter count of run ``iso_of``.
     ``lowrank_of``: the blocks' Linears as factored layers (``factor_flag R``: ``--lowrank`` plain
     low-rank products, ``--btt`` block tensor-trains), ``R`` the rank whose block parameter count is
@@ -179,13 +180,16 @@ CONFIGS: dict[str, Config] = {
                              + TTM),
     "ttm-r32-corewd": Config("ttm-r32 with weight decay 0.1 on the cores",
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
+    "ttm-r32-warm10": Config("ttm-r32 with a warm-up of 10 % of the steps (default 5 %)",
+                             ("--tensorize", "32", "--warmup-steps", "{steps/10}") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
 # benchmark: the quality benchmark's rows (with --lrs grid); next: its follow-ups (past the top of the sweeps
 # where the best was at the edge, other TT-matrix ranks, a third dense size); first, second: the earlier
 # short study's two calls
 GROUPS = {
-    "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512"],
+    "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
+             "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
@@ -352,6 +356,8 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
             dep = run_name(arg[len("{ckpt:"):-1], lr)
             needs.append(dep)
             arg = str(out / f"{dep}.pt")
+        if arg.startswith("{steps/"):  # a fraction of the study's steps, e.g. a warm-up
+            arg = str(max(1, opts.steps // int(arg[len("{steps/"):-1])))
         flags.append(arg.replace("{out}", str(out)))
     if cfg.iso_of:
         flags += sizer.iso_width(sizer.params(resolve(cfg.iso_of, opts, sizer, out)[0]), flags)

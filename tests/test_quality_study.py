@@ -56,6 +56,8 @@ def test_iso_width_and_matched_ranks(tmp_path):
     for other in (low_rank - 1, low_rank + 1):
         assert gap <= abs(sizer.counts(low[:-1] + [str(other)])["blocks"] - blocks)
     assert gap < 0.2 * blocks
+    warm, _ = study.resolve("ttm-r32-warm10", opts, sizer, tmp_path)  # {steps/10}: a tenth of the steps
+    assert warm[warm.index("--warmup-steps") + 1] == str(opts.steps // 10)
     cola, _ = study.resolve("cola-iso", opts, sizer, tmp_path)  # the same rank, SiLU between the factors
     assert cola == ["--lowrank-act", "silu"] + low
     btt, _ = study.resolve("btt-iso", opts, sizer, tmp_path)  # block tensor-trains at ttm-r32's block parameters
