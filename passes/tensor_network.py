@@ -139,6 +139,11 @@ def _understood(call: M.Bound, *names: str) -> None:
 def _check_shapes(site: _Site) -> None:
     spec = site.spec
     rows, cols = spec.rows, spec.cols
+    if spec.fmt == "btt":
+        raise Declined(f"a 'btt' layer is left to its marker op: forming its weight costs "
+                       f"{2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} FLOPs (one batched GEMM), "
+                       f"then a dense {'lookup' if site.kind == 'tt_embedding' else 'GEMM'}, which Inductor "
+                       "compiles as it stands")
     if spec.n_cores < 2:
         raise Declined("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
