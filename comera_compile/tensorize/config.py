@@ -25,7 +25,11 @@ class TTConfig:
       BPE 16k) a TT-matrix learns better than ``"tt"`` at equal parameters
       (validation loss 4.0 % / 3.7 % better for the attention / MLP Linears); ``"tt"`` runs faster
       (its rank bottleneck makes two skinny GEMMs of a layer; a TT-matrix has none and runs with its
-      weight merged from the cores).
+      weight merged from the cores). ``"btt"``: a two-core block tensor-train (Monarch at rank 1):
+      in = b1 x b2 (b1 blocks), out = c x a (c blocks), each near the square root (padded when a
+      size factors badly), ``W[(c, a), (b1, b2)] = sum_k L[k, c, b1, a] R[b1, b2, c, k]``; full-rank
+      in general, its one rank bond caps at ``min(b2, a)``; ``modes=((b1, b2), (c, a))``. Its
+      weight is formed by the marker op, then used as a dense weight (``2 r in out`` FLOPs).
     * ``n_cores``: number of cores (TT: split between rows and columns by their sizes); default:
       modes near 10 (768 -> 3 modes, 30522 -> 4).
     * ``modes``: explicit ``(row_modes, col_modes)``, rows = in_features (Linear) or

@@ -115,8 +115,8 @@ class TTParametrization(nn.Module):
         """The cores' shapes and the gates' sizes, and the spec they make (checked once, here)."""
         self.core_shapes = [tuple(int(v) for v in s) for s in core_shapes]
         self.gate_sizes = [int(n) for n in gate_sizes]
-        self._spec = TTSpec(self.fmt, self.row_modes, self.col_modes, tt.chain_ranks(self.core_shapes), self.rows,
-                            self.cols, self.transpose)
+        self._spec = TTSpec(self.fmt, self.row_modes, self.col_modes, tt.ranks_from_shapes(self.fmt, self.core_shapes),
+                            self.rows, self.cols, self.transpose)
 
     @property
     def cores(self) -> list[torch.Tensor]:
@@ -222,7 +222,7 @@ class TTParametrization(nn.Module):
                     and key[len(prefix):].split(".")[0] in ("cores", "gates", "core_flat", "gate_flat"):
                 unexpected_keys.append(key)
         if len(saved["cores"]) == len(self.core_shapes) and len(saved["gates"]) == len(self.gate_sizes):
-            problem = _bond_mismatch(saved["cores"], saved["gates"], prefix)
+            problem = _bond_mismatch(saved["cores"], saved["gates"], prefix, self._spec)
             if problem is not None:
                 error_msgs.append(problem)
                 return
@@ -234,8 +234,16 @@ class TTParametrization(nn.Module):
         return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}"
 
 
-def _bond_mismatch(cores: list, gates: list, prefix: str) -> str | None:
-    """Why saved cores and gates do not form one chain (a bond's sizes differ), naming the keys."""
+def _bond_mismatch(cores: list, gates: list, prefix: str, spec: TTSpec) -> str | None:
+    """Why saved cores and gates do not form one chain (a bond's sizes differ), naming the keys. A
+    block tensor-train's cores must have ``spec``'s shapes at the saved gate's rank."""
+    if spec.fmt == "btt":
+        r = gates[0].numel()
+        for k, (core, want) in enumerate(zip(cores, spec.with_ranks((1, r, 1)).core_shapes)):
+            if tuple(core.shape) != tuple(want):
+                return (f"{prefix}cores.{k} has shape {tuple(core.shape)}; {spec.fmt} {spec.describe()} at rank {r} "
+                        f"(the size of {prefix}gates.0) needs {tuple(want)}")
+        return None
     if cores[0].shape[0] != 1 or cores[-1].shape[-1] != 1:
         return f"{prefix}cores.0 / cores.{len(cores) - 1}: the outer ranks must be 1"
     for k, gate in enumerate(gates):

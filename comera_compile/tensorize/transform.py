@@ -160,7 +160,12 @@ def _layer_error(fqn: str, kind: str, shape, msg: str) -> ValueError:
 
 
 def _auto_modes(fmt: str, rows: int, cols: int, cfg: TTConfig, error) -> tuple[tuple, tuple]:
-    if fmt == "tt":
+    if fmt == "btt":
+        if cfg.n_cores not in (None, 2):
+            raise error(f"n_cores={cfg.n_cores} is invalid for the 'btt' format: it always has two cores "
+                        "(R and L); leave n_cores unset")
+        a = b = 2  # (blocks, block size) on each side, near the square root
+    elif fmt == "tt":
         if cfg.n_cores is None:
             a, b = tt.default_n_modes(rows), tt.default_n_modes(cols)
         else:
@@ -215,6 +220,9 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
         if fmt == "ttm" and len(row_modes) != len(col_modes):
             raise error(f"fmt='ttm' needs as many row modes as column modes, got {list(row_modes)} "
                         f"and {list(col_modes)}; e.g. {[list(auto[0]), list(auto[1])]}")
+        if fmt == "btt" and (len(row_modes), len(col_modes)) != (2, 2):
+            raise error(f"fmt='btt' needs two row modes (b1 blocks of b2) and two column modes (c blocks of a), "
+                        f"got {list(row_modes)} and {list(col_modes)}; e.g. {[list(auto[0]), list(auto[1])]}")
     else:
         row_modes, col_modes = _auto_modes(fmt, rows, cols, cfg, error)
     n = tt.n_cores(fmt, row_modes, col_modes)
@@ -223,8 +231,8 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
     except ValueError as e:
         raise error(f"{e}; valid: a positive int, or {n - 1} positive ints (one per internal bond "
                     f"of the {n} cores {fmt} {[list(row_modes), list(col_modes)]})") from None
-    sizes = tt.core_sizes(fmt, row_modes, col_modes)
-    spec = TTSpec(fmt, row_modes, col_modes, tt.cap_ranks(sizes, ranks), rows, cols, layout.transpose)
+    spec = TTSpec(fmt, row_modes, col_modes, tt.fit_ranks(fmt, row_modes, col_modes, ranks), rows, cols,
+                  layout.transpose)
     if spec.num_params >= spec.dense_params:
         raise _Skip(f"no compression: {fmt} {spec.describe()} at ranks {list(spec.ranks)} has "
                     f"{spec.num_params} parameters >= {spec.dense_params} dense")
@@ -554,7 +562,7 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
                 raise ValueError(f"restore TT layers: '{name}' is already tensorized")
             group.append(module)
         spec = TTSpec(entry["fmt"], tuple(entry["row_modes"]), tuple(entry["col_modes"]),
-                      tt.chain_ranks(entry["core_shapes"]), int(entry["rows"]), int(entry["cols"]),
+                      tt.ranks_from_shapes(entry["fmt"], entry["core_shapes"]), int(entry["rows"]), int(entry["cols"]),
                       bool(entry["transpose"]))
         want = (spec.cols, spec.rows) if spec.transpose else (spec.rows, spec.cols)
         shape = tuple(group[0].weight.shape)
