@@ -32,12 +32,14 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
     ``"flops"``: 2x the multiply-adds per token of contracting core k when the input streams
     through the cores in order (TT Linear: the input modes one by one, then the output modes grow;
     TT-matrix Linear: input mode k out, output mode k in; Embedding: the left-to-right product of
-    the looked-up slices, ``prod(col_modes[:k+1])`` wide).
+    the looked-up slices, ``prod(col_modes[:k+1])`` wide; BTT: ``2 s_k``, its two batched GEMMs).
     """
     if weight not in WEIGHTS:
         raise ValueError(f"weight must be one of {WEIGHTS}, got {weight!r}")
     if weight == "params":
         return [float(s) for s in spec.sizes]
+    if spec.fmt == "btt":  # run as two batched GEMMs over the blocks: 2 FLOPs per parameter per token
+        return [2.0 * s for s in spec.sizes]
     rm, cm, d = spec.row_modes, spec.col_modes, spec.n_cores
     embedding = not spec.transpose  # Linear layers are stored transposed (rows = in_features)
     if embedding:
