@@ -433,6 +433,23 @@ def test_round_trip_keeps_pruned_and_per_layer_ranks(tmp_path):
     assert torch.equal(_logits(got, "llama"), want)
 
 
+def test_round_trip_a_pruned_btt_model(tmp_path):
+    """Block tensor-trains (fmt="btt") go through the same layout: formats, blocks and pruned ranks."""
+    m = make_model("llama").eval()
+    cc.tensorize_(m, cc.TTConfig(fmt="btt", rank=2, min_size=0), filter_fn=lambda mod, fqn: ".mlp." in fqn)
+    p = tt_parametrization(m.get_submodule("model.layers.0.mlp.up_proj"))
+    cores, gates = p.positions()
+    cores[0], gates[0], cores[1] = cores[0][..., 1:], gates[0][1:], cores[1][1:]
+    p.relayout_(cores, gates)
+    assert p.fmt == "btt" and p.ranks == [1, 1, 1]
+    want, layout = _logits(m, "llama"), _layout(m)
+    cc.hf.save_pretrained(m, tmp_path)
+    got = cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert _layout(got) == layout and {e["fmt"] for e in layout} == {"btt"}
+    assert tt_parametrization(got.get_submodule("model.layers.0.mlp.up_proj")).ranks == [1, 1, 1]
+    assert torch.equal(_logits(got, "llama"), want)
+
+
 def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
     from safetensors.torch import load_file, save_file
 
