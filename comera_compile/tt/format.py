@@ -39,7 +39,6 @@ from typing import Any, Literal, NamedTuple, Sequence, get_args
 
 import sympy
 import torch
-import torch.nn.functional as F
 
 #: The formats: ``"tt"`` (CoMERA's linear format), ``"ttm"`` (TT-matrix / MPO) and ``"btt"``
 #: (two-core block tensor-train).
@@ -768,11 +767,12 @@ def _btt_materialize_vjp(cores: Sequence[torch.Tensor], gates: Sequence[torch.Te
     g = gates[0].to(dtype)
     P, Q = spec.padded_rows, spec.padded_cols
     (b1, b2), (c, a) = spec.row_modes, spec.col_modes
-    grad = grad.to(dtype)
-    if spec.transpose:
-        padded = F.pad(grad, (0, P - spec.rows, 0, Q - spec.cols)).reshape(c, a, b1, b2)
-    else:
-        padded = F.pad(grad, (0, Q - spec.cols, 0, P - spec.rows)).reshape(b1, b2, c, a)
+    shape = (Q, P) if spec.transpose else (P, Q)
+    padded = grad.to(dtype)
+    if tuple(padded.shape) != shape:
+        padded = padded.new_zeros(shape)
+        padded[: grad.shape[0], : grad.shape[1]] = grad
+    padded = padded.reshape((c, a, b1, b2) if spec.transpose else (b1, b2, c, a))
     out = _btt_layout(spec)
     d_rg = torch.einsum(f"{out},kcja->jbck", padded, L.to(dtype))
     d_l = torch.einsum(f"{out},jbck->kcja", padded, R * g)
