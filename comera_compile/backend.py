@@ -7,15 +7,17 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from comera_compile._logging import logger
+from comera_compile.fx_utils import iter_graph_modules
 from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions, OptionsError
-from comera_compile.pass_manager import PassContext, run_passes
+from comera_compile.pass_manager import PassContext, enabled_pass_names, run_passes
 from comera_compile.report import GraphReport, active_report
 
 _graph_counter = 0
@@ -51,7 +53,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
         report.before = _readable(gm)
     ctx = PassContext(options=opts, training=torch.is_grad_enabled(), report=report,
                       example_inputs=list(example_inputs))
+    start = time.perf_counter()
+    nodes = _node_count(gm)
+    logger.info("comera: compiling graph %d (%d nodes): passes %s, then %s", index, nodes,
+                ", ".join(enabled_pass_names(opts)) or "none", opts.inner)
     n = run_passes(gm, ctx)
+    passes_s = time.perf_counter() - start
     logger.info("graph %d: %d rewrite(s), %d candidate(s) left alone; inner compiler %s",
                 index, n, len(report.skipped), opts.inner)
     if opts.cudagraphs is None:
@@ -64,7 +71,37 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
         report.after = _readable(gm)
         report.gm = gm
         collector.graph_reports.append(report)
-    return compile_inner(gm, example_inputs, opts, ctx.inductor_config)
+    compiled = compile_inner(gm, example_inputs, opts, ctx.inductor_config, graph=index)
+    total_s = time.perf_counter() - start
+    lazy = " (its backward compiles at the first backward)" if ctx.training and opts.inner != "eager" and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs) else ""
+    logger.info("comera: graph %d compiled in %.1f s (passes %.2f s)%s", index, total_s, passes_s, lazy,
+                extra={"comera_timing": {"graph": index, "nodes": nodes, "passes_s": passes_s,
+                                         "compile_s": total_s}})
+    return compiled
+
+
+def _node_count(gm: fx.GraphModule) -> int:
+    """Nodes of the graph and its higher-order-op subgraphs."""
+    return sum(len(sub.graph.nodes) for _, sub in iter_graph_modules(gm))
+
+
+def _timed_backward(inner_compile: Callable, index: int) -> Callable:
+    """``inner_compile`` that logs how long the backward graph took (AOTAutograd compiles it at the
+    first backward, after the backend has returned)."""
+
+    def compile_logged(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("is_backward"):
+            return inner_compile(*args, **kwargs)
+        start = time.perf_counter()
+        logger.info("comera: compiling graph %d's backward", index)
+        compiled = inner_compile(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        logger.info("comera: graph %d's backward compiled in %.1f s", index, seconds,
+                    extra={"comera_timing": {"graph": index, "backward_s": seconds}})
+        return compiled
+
+    return compile_logged
 
 
 def _cuda_available() -> bool:
@@ -72,16 +109,16 @@ def _cuda_available() -> bool:
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions,
-                  requested: dict[str, Any] | None = None) -> Callable:
+                  requested: dict[str, Any] | None = None, graph: int | None = None) -> Callable:
     """Hand the rewritten graph to the inner compiler; ``requested`` are the Inductor settings the
-    passes asked for (the user's ``inductor_config`` wins)."""
+    passes asked for (the user's ``inductor_config`` wins); ``graph``: the index the log names."""
     from torch._dynamo.backends.registry import lookup_backend
 
     cudagraphs = opts.cudagraphs and _cuda_available()
     if opts.cudagraphs and not cudagraphs:
         logger.info("cudagraphs requested but CUDA is not available: running without CUDA graphs")
     if opts.inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         from comera_compile.cache import inductor_config_patches
 
@@ -90,7 +127,9 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
             patches["triton.cudagraphs"] = True
         if opts.max_autotune:
             patches.setdefault("max_autotune", True)
-        return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(patches))
+        inner_compile = compile_fx_inner if graph is None else _timed_backward(compile_fx_inner, graph)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches=inductor_config_patches(patches))
     if cudagraphs:
         # aot_eager / eager + CUDA graphs: Dynamo's AOT-autograd cudagraphs backend.
         return lookup_backend("cudagraphs")(gm, example_inputs)

@@ -170,6 +170,12 @@ def list_passes() -> list[str]:
     return REGISTRY.names()
 
 
+def enabled_pass_names(options: CompileOptions) -> list[str]:
+    """The passes ``options`` runs, in running order."""
+    load_builtin_passes()
+    return [p.name for p in REGISTRY.enabled(options)]
+
+
 def _snapshot(gm: fx.GraphModule) -> dict[str, fx.Graph]:
     """A copy of every graph (root and subgraphs), meta shallow-copied."""
     snap = {}

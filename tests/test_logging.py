@@ -27,3 +27,48 @@ def test_bad_env_var_value_names_valid_levels():
     out = _run("loud")
     assert out.returncode != 0
     assert "COMERA_LOG='loud'" in out.stderr and "debug" in out.stderr
+
+
+def test_compiling_and_compiled_lines_at_info(caplog):
+    """A first compile can take a minute: the backend says what it is compiling and how long it took."""
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+
+    import comera_compile  # noqa: F401
+
+    lin = torch.nn.Linear(4, 7)
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="comera",
+                      options={"inner": "aot_eager", "cce_min_vocab": 0})(torch.randn(3, 4), torch.tensor([0, 1, 2]))
+    messages = [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
+    start = [m for m in messages if m.startswith("comera: compiling graph")]
+    done = [m for m in messages if " compiled in " in m]
+    assert len(start) == 1 and " nodes): passes tensor_network, cce, then aot_eager" in start[0], messages
+    assert len(done) == 1 and "s (passes " in done[0] and "its backward compiles at the first backward" in done[0]
+    assert messages.index(start[0]) < messages.index(done[0])
+
+
+def test_backward_compile_is_logged(caplog):
+    """AOTAutograd compiles the backward after the backend returned: the inner compiler says when."""
+    import logging
+
+    from comera_compile.backend import _timed_backward
+
+    calls = []
+    inner = _timed_backward(lambda *a, **k: calls.append(k) or "compiled", 3)
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        assert inner("gm", [], is_backward=False) == "compiled"
+        assert inner("gm", [], is_backward=True) == "compiled"
+    messages = [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
+    assert messages == ["comera: compiling graph 3's backward", messages[1]]
+    assert messages[1].startswith("comera: graph 3's backward compiled in ")
+    assert [k["is_backward"] for k in calls] == [False, True]
+
+
+def test_nothing_printed_by_default():
+    env = {k: v for k, v in os.environ.items() if k != "COMERA_LOG"}
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "compiling" not in out.stdout + out.stderr and "compiled in" not in out.stdout + out.stderr
