@@ -1,4 +1,4 @@
-"""``comera::tt_materialize``: the marker op that turns TT / TT-matrix cores into a dense weight.
+"""``comera::tt_materialize``: the marker op that turns TT / TT-matrix / BTT cores into a dense weight.
 
 A tensorized layer's weight parametrization is exactly one call of this op, so a Dynamo graph shows
 ``linear(x, comera.tt_materialize(core_flat, gate_flat, ...))`` and the tensor-network pass can replace

@@ -1,6 +1,6 @@
 """Tensor-train shape math and contraction plans: no nn.Module, no op.
 
-* :mod:`comera_compile.tt.format`: the TT / TT-matrix layouts (:class:`TTSpec`), factorization,
+* :mod:`comera_compile.tt.format`: the TT / TT-matrix / block tensor-train layouts (:class:`TTSpec`), factorization,
   the torch reference contraction and its vector-Jacobian product, TT-SVD;
 * :mod:`comera_compile.tt.planner`: how a TT layer's contraction runs, costed on a device model.
 
