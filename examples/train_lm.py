@@ -355,7 +355,7 @@ def _rank(value: str) -> int | str:
 
 
 def _fmt(value: str) -> str:
-    if value not in ("auto", "tt", "ttm"):
+    if value not in ("auto", "tt", "ttm", "btt"):
         raise ValueError(value)
     return value
 
@@ -397,7 +397,7 @@ def gpu_default_lr(args: argparse.Namespace) -> float:
     if args.rank_adapt is not None:
         return GPU_LRS["rank-adapt"]
     formats = {for_kind(args.fmt, kind) or "auto" for kind in args.compress}
-    return min(GPU_LRS["tt" if fmt == "tt" else "ttm"] for fmt in formats)  # "auto": TT-matrix for every layer
+    return min(GPU_LRS[fmt if fmt in ("tt", "btt") else "ttm"] for fmt in formats)  # "auto": TT-matrix everywhere
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -474,7 +474,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tensorize_(tied=...) for the tied token embedding and head: skip (stay dense), share "
                         "(one TT for both), untie (a TT each)")
     g.add_argument("--fmt", type=per_kind(_fmt, "FMT"), default=None, metavar="FMT",
-                   help="TTConfig.fmt: auto (default), tt or ttm; or per kind: attn=tt,mlp=ttm,emb=ttm")
+                   help="TTConfig.fmt: auto (default), tt, ttm or btt (the package's block tensor-train; --btt is "
+                        "the example's plain-torch one); or per kind: attn=tt,mlp=ttm,emb=ttm")
     g.add_argument("--tt-init", choices=["random", "svd"], default="random",
                    help="svd: TT-SVD of the current weights (with --init-from: of a trained dense model)")
     g.add_argument("--tt-init-std", type=per_kind(float, "STD"), default=None, metavar="STD",

@@ -605,7 +605,30 @@ def test_gpu_preset_learning_rate_follows_the_quality_benchmark():
     assert lr("--tensorize", "32", "--fmt", "tt") == 1.2e-3
     assert lr("--tensorize", "32", "--fmt", "attn=tt,mlp=ttm") == 1.2e-3  # the smaller of the two
     assert lr("--tensorize", "64", "--rank-adapt", "3.5") == 2.4e-3
-    assert lr("--btt", "1") == 4.8e-3 and lr("--lowrank", "37") == 2.4e-3
+    assert lr("--btt", "1") == lr("--tensorize", "1", "--fmt", "btt") == 4.8e-3 and lr("--lowrank", "37") == 2.4e-3
     assert lr("--lowrank", "37", "--lowrank-act", "silu") == 1.2e-3
     assert lr("--tensorize", "32", "--lr", "1e-3") == 1e-3
     assert train_lm.parse_args(["--tensorize", "8"]).lr == 3e-3  # the cpu preset
+
+
+def test_the_packages_btt_and_the_examples_agree():
+    """--tensorize R --fmt btt (cc.TTConfig(fmt="btt")) gives the blocks of --btt R (the example's layer)
+    the same block parameters and, from the same cores, the same weights."""
+    import comera_compile as cc
+
+    flags = ["--d-model", "192", "--n-heads", "2", "--n-layers", "1"]
+    pkg = train_lm.parse_args(flags + ["--tensorize", "2", "--fmt", "btt"])
+    ex = train_lm.parse_args(flags + ["--btt", "2"])
+    a, b = train_lm.build_model(pkg, 256), train_lm.build_model(ex, 256)
+    train_lm.compress(a, pkg)
+    train_lm.compress(b, ex)
+    gates = sum(g.numel() for lay in cc.iter_tt_layers(a) for g in lay.param.gates)  # the package's rank gates
+    assert train_lm.block_parameters(a) == train_lm.block_parameters(b) + gates
+    layer = next(lay for lay in cc.iter_tt_layers(a) if lay.fqn == "blocks.0.mlp.fc")
+    mine = b.blocks[0].mlp.fc  # the example's R [b1, b2, c * r], L [c, b1 * r, a]
+    R, L = layer.param.cores
+    with torch.no_grad():
+        mine.R.copy_((R * layer.param.gates[0]).reshape(mine.R.shape))
+        mine.L.copy_(L.permute(1, 2, 0, 3).reshape(mine.L.shape))
+        want = a.blocks[0].mlp.fc.weight
+    torch.testing.assert_close(mine.dense_weight(), want)
