@@ -180,6 +180,8 @@ CONFIGS: dict[str, Config] = {
                              + TTM),
     "ttm-r32-corewd": Config("ttm-r32 with weight decay 0.1 on the cores",
                              ("--tensorize", "32", "--core-weight-decay", "0.1") + TTM),
+    "ttm-r32-balanced": Config("ttm-r32 with every core started at the same std (TTConfig init='balanced')",
+                               ("--tensorize", "32", "--tt-init", "balanced") + TTM),
     "ttm-r32-warm10": Config("ttm-r32 with a warm-up of 10 % of the steps (default 5 %)",
                              ("--tensorize", "32", "--warmup-steps", "{steps/10}") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
@@ -189,7 +191,7 @@ CONFIGS: dict[str, Config] = {
 # short study's two calls
 GROUPS = {
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
-             "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048"],
+             "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",

@@ -476,8 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fmt", type=per_kind(_fmt, "FMT"), default=None, metavar="FMT",
                    help="TTConfig.fmt: auto (default), tt, ttm or btt (the package's block tensor-train; --btt is "
                         "the example's plain-torch one); or per kind: attn=tt,mlp=ttm,emb=ttm")
-    g.add_argument("--tt-init", choices=["random", "svd"], default="random",
-                   help="svd: TT-SVD of the current weights (with --init-from: of a trained dense model)")
+    g.add_argument("--tt-init", choices=["random", "balanced", "svd"], default="random",
+                   help="TTConfig.init: random (CoMERA's), balanced (every core at the same std), svd (TT-SVD of "
+                        "the current weights; with --init-from: of a trained dense model)")
     g.add_argument("--tt-init-std", type=per_kind(float, "STD"), default=None, metavar="STD",
                    help="TTConfig.init_std: std of the initial weight (default: tensorize_'s); or per kind")
     g.add_argument("--gate-init", type=float, default=1.0,

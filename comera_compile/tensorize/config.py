@@ -10,7 +10,7 @@ from comera_compile.tt import FORMATS
 __all__ = ["TTConfig"]
 
 FMTS = ("auto",) + FORMATS  # "auto": "ttm" for every layer
-INITS = ("random", "svd")
+INITS = ("random", "balanced", "svd")
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,10 @@ class TTConfig:
       num_embeddings (Embedding), e.g. ``((16, 20, 10, 10), (4, 4, 8, 6))``; products may exceed
       the sizes (padding, cropped away).
     * ``min_size``: layers whose weight has fewer elements are skipped.
-    * ``init``: ``"random"`` (CoMERA's variance-matched init) or ``"svd"`` (TT-SVD of the
-      current weights); ``svd_tol``: relative-error tolerance that picks the ranks (capped by
+    * ``init``: ``"random"`` (CoMERA's variance-matched init: the last core larger than the
+      others), ``"balanced"`` (random, every core at the same std, the same weight variance; not yet
+      measured against ``"random"`` in the quality benchmark) or ``"svd"`` (TT-SVD of the current
+      weights); ``svd_tol``: relative-error tolerance that picks the ranks (capped by
       ``rank``: where the cap stops TT-SVD short of the tolerance, ``tensorize_`` warns, naming the
       layers, their reached errors and the capped bonds; every layer's reached error is
       ``compression_report(model).layers[i].init_error``); ``init_std``: target std of the

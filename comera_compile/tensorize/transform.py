@@ -392,7 +392,7 @@ def _apply(plan: _Plan) -> str | None:
         if cfg.svd_tol is not None and error > cfg.svd_tol:
             missed = _svd_tol_missed(plan.fqn, cfg, cap, spec, error)
     else:
-        cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device)
+        cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device, balanced=cfg.init == "balanced")
     gates = [torch.ones(r, dtype=dtype, device=device) for r in spec.gate_sizes]
     param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error,
                               svd_tol=cfg.svd_tol)
@@ -483,12 +483,13 @@ def tensorize_(
                          f"{_names(asked)}), so it selects no layer (it gets each layer's module and full name, "
                          "filter_fn(module, fqn))")
     plans = _plan_all(model, selected, modules, tied, skipped)
-    discard = [f for plan in plans if plan.config.init == "random"
+    discard = [(f, plan.config.init) for plan in plans if plan.config.init != "svd"
                for f, m in plan.modules if tt_parametrization(m) is not None]
     if discard and not refactor:
-        raise ValueError(f"tensorize_: init='random' would replace the cores of the already tensorized layer(s) "
-                         f"{_names(discard)} (and what they learned) with new random ones; pass refactor=True to "
-                         "do that, use init='svd' to re-factor their current weights to the new config, or leave "
+        inits = "/".join(sorted({repr(init) for _, init in discard}))
+        raise ValueError(f"tensorize_: init={inits} would replace the cores of the already tensorized layer(s) "
+                         f"{_names([f for f, _ in discard])} (and what they learned) with new random ones; pass "
+                         "refactor=True to do that, use init='svd' to re-factor their current weights to the new config, or leave "
                          "them out with filter_fn or the config dict. Nothing was changed.")
     for plan in plans:
         _prepare(plan)

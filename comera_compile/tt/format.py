@@ -829,21 +829,29 @@ def random_cores(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     generator: torch.Generator | None = None,
+    balanced: bool = False,
 ) -> list[torch.Tensor]:
     """CoMERA's initialization: ``core_k = randn / sqrt(r_k) * std ** (1 / d)`` (``r_k`` the core's
     right rank). With gates at 1, every entry of the materialized matrix then has variance
     ``std ** 2`` exactly in expectation: each entry sums ``prod(internal ranks)`` products of ``d``
-    independent core entries. BTT: the prototype's fan-in init with the same entry variance
-    (:func:`_btt_random_cores`)."""
+    independent core entries. The last core (right rank 1) is therefore larger than the others
+    (a GPT's d 768 TT-matrix r32: stds 0.052, 0.052, 0.29).
+
+    ``balanced=True``: every core at the same std, ``(std ** 2 / prod(internal ranks)) ** (1 / (2 d))``,
+    the same entry variance ``std ** 2``. BTT: the prototype's fan-in init with the same entry variance
+    (:func:`_btt_random_cores`), balanced or not."""
     if spec.fmt == "btt":
         return _btt_random_cores(spec, std, dtype=dtype, device=device, generator=generator)
     d = spec.n_cores
-    scale = float(std) ** (1.0 / d)
-    cores = []
-    for shape in spec.core_shapes:
-        c = torch.randn(shape, dtype=dtype, device=device, generator=generator)
-        cores.append(c * (scale / math.sqrt(max(shape[-1], 1))))
-    return cores
+    shapes = spec.core_shapes
+    if balanced:
+        inner = math.prod(int(shape[-1]) for shape in shapes[:-1])
+        core_std = (float(std) ** 2 / inner) ** (1.0 / (2 * d))
+        stds = [core_std] * d
+    else:
+        scale = float(std) ** (1.0 / d)
+        stds = [scale / math.sqrt(max(shape[-1], 1)) for shape in shapes]
+    return [torch.randn(shape, dtype=dtype, device=device, generator=generator) * s for shape, s in zip(shapes, stds)]
 
 
 def _to_chain_tensor(matrix: torch.Tensor, spec: TTSpec) -> torch.Tensor:

@@ -800,6 +800,8 @@ def test_random_init_of_an_already_tensorized_layer_needs_refactor():
         tensorize_(m, TTConfig(rank=4, min_size=0))
     with pytest.raises(ValueError, match=r"already tensorized layer\(s\) \['fc1'\]"):
         tensorize_(m, {"fc1": TTConfig(rank=4, min_size=0, fmt="ttm"), "_default": None})
+    with pytest.raises(ValueError, match=r"init='balanced' would replace .* \['fc1'\]"):  # random too
+        tensorize_(m, {"fc1": TTConfig(rank=4, min_size=0, init="balanced"), "_default": None})
     assert m.state_dict().keys() == trained.keys()
     assert all(torch.equal(trained[k], v) for k, v in m.state_dict().items())  # nothing changed
     # A call that leaves the TT layers out still tensorizes the others.
@@ -844,3 +846,22 @@ def test_svd_tolerance_not_reached_warns_and_is_recorded():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tensorize_(model, TTConfig(rank=4, modes=modes, init="svd", svd_tol=0.05, min_size=0, fmt="tt"))
+
+
+@pytest.mark.parametrize("fmt", ["ttm", "tt"])
+def test_balanced_init_gives_every_core_one_std_and_the_weight_its_variance(fmt):
+    """init='balanced': the cores of a layer at one std, the weight's entries at the target std like
+    CoMERA's init (whose last core is larger)."""
+    torch.manual_seed(0)
+    stds = {}
+    for init in ("random", "balanced"):
+        variances = []
+        for _ in range(8):  # the entries share cores: one draw's sample variance scatters, its mean does not
+            lin = nn.Linear(768, 768, bias=False)
+            tensorize_(lin, TTConfig(rank=32, fmt=fmt, init=init, init_std=0.02))
+            (layer,) = iter_tt_layers(lin)
+            stds[init] = [c.std().item() for c in layer.param.cores]
+            variances.append(lin.weight.detach().double().var().item())
+        assert sum(variances) / len(variances) == pytest.approx(0.02**2, rel=0.1)
+    assert max(stds["balanced"]) / min(stds["balanced"]) < 1.2  # sample stds of cores of 144+ entries
+    assert max(stds["random"]) / min(stds["random"]) > 2  # the last core, of right rank 1
