@@ -64,8 +64,11 @@ class Model(nn.Module):
 def cases(draw) -> Case:
     n_linear = draw(st.integers(1, 2))
     dims = [draw(st.sampled_from(SIZES)) for _ in range(n_linear + 1)]
-    configs = [(draw(st.integers(1, 8)), draw(st.sampled_from(["tt", "ttm", "auto"])), draw(st.sampled_from([None, 2, 3])),
-                draw(st.sampled_from([0.0, 0.1, 0.5]))) for _ in range(n_linear + 1)]
+    configs = []
+    for _ in range(n_linear + 1):
+        fmt = draw(st.sampled_from(["tt", "ttm", "auto", "btt"]))
+        n_cores = draw(st.sampled_from([None, 2] if fmt == "btt" else [None, 2, 3]))  # btt: always two cores
+        configs.append((draw(st.integers(1, 8)), fmt, n_cores, draw(st.sampled_from([0.0, 0.1, 0.5]))))
     shape = draw(st.sampled_from([(5,), (2, 3), (1, 1), (3, 1, 4)]))
     return Case(vocab=draw(st.sampled_from(SIZES[2:])), dims=dims, bias=[draw(st.booleans()) for _ in range(n_linear)],
                 configs=configs, index_shape=shape, index_pattern=draw(st.sampled_from(["random", "repeated", "edges"])),

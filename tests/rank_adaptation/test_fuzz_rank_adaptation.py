@@ -52,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class Case:
     sizes: tuple[int, int, int]  # in, hidden, out
     bias: bool
-    fmt: str  # "tt" or "auto" (TT-matrix)
+    fmt: str  # "tt", "auto" (TT-matrix) or "btt"
     rank: int
     optimizer: str  # "sgd", "adam", "adamw"
     param_groups: bool
@@ -64,7 +64,7 @@ class Case:
 @st.composite
 def cases(draw):
     return Case(sizes=tuple(draw(st.sampled_from(SIZES)) for _ in range(3)), bias=draw(st.booleans()),
-                fmt=draw(st.sampled_from(["tt", "auto"])), rank=draw(st.sampled_from([6, 8, 12, 16])),
+                fmt=draw(st.sampled_from(["tt", "auto", "btt"])), rank=draw(st.sampled_from([6, 8, 12, 16])),
                 optimizer=draw(st.sampled_from(sorted(BASE_LR))), param_groups=draw(st.booleans()),
                 lr_mult=draw(st.sampled_from([0.5, 1.0, 2.0])), target_mult=draw(st.sampled_from([1.5, 2.0, 3.0])),
                 seed=draw(st.integers(0, 2 ** 16)))
