@@ -1,0 +1,375 @@
+"""Compile time: Inductor against the comera backend, cold and warm, on the models of bench_e2e.py.
+
+    python benchmarks/bench_compile.py                              # CPU: small sizes, both models
+    python benchmarks/bench_compile.py --size full --device cuda    # the GPU: bench_e2e.py's sizes
+    python benchmarks/bench_compile.py --model encoder --variants tt-comera --profile
+
+Each measurement is its own process with its own Inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``,
+which also holds the FX graph, AOTAutograd and Triton caches): **cold** is a fresh folder, **warm** a
+second process on the folder the cold one filled. A process builds the model, compiles it and times
+its first training step (forward + backward + ``AdamW.step()``, bf16 autocast as in bench_e2e.py);
+compile time is that step minus a steady step (the fastest of three that follow). Variants:
+
+* ``dense-inductor``: ``torch.compile(model)``, the reference;
+* ``dense-comera``: ``backend="comera"`` on the dense model (the cce pass looks at its heads);
+* ``tt-comera``: the model tensorized as bench_e2e.py's ``tt`` variant, ``backend="comera"``;
+* ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
+  each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
+
+Reported per variant: cold and warm compile seconds, the ratio to ``dense-inductor``'s cold time, the
+backend's own time (our passes, from the ``comera_compile`` logger's records), Dynamo's phase times
+(``torch._dynamo.utils.compile_times``: tracing, AOTAutograd, Inductor forward and backward), and the
+cache counters of the warm run (FX graph cache and AOTAutograd cache hits, misses and bypasses, with
+the bypass reasons). ``--profile`` adds one cold run per comera variant under cProfile and prints where
+the backend's time goes (pass manager, planner, write analysis, fake-tensor propagation, report
+building), cumulative seconds per entry point. ``--json`` keeps everything.
+
+Sizes: ``full`` is bench_e2e.py's (the six-encoder MNLI model at d 768 and batch 32 x 128; the
+Llama-style LM at d 1024, vocab 128256, 8 x 1024 tokens); ``small`` keeps every layer (the graphs have
+the same structure and node counts) at d 256 and a vocabulary of 8192, so a CPU compiles and runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-inductor")
+DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
+# Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
+PHASES = {
+    "bytecode_tracing": "dynamo",
+    "OutputGraph.call_user_compiler": "backend",
+    "aot_trace_joint_graph": "aot trace",
+    "min_cut_rematerialization_partition": "partition",
+    "compile_fx.<locals>.fw_compiler_base": "inductor fw",
+    "compile_fx.<locals>.bw_compiler": "inductor bw",
+}
+# The backend's entry points whose cumulative time --profile reports: (file suffix, function).
+ENTRY_POINTS = (
+    ("comera_compile/backend.py", "compile_graph", "backend (passes + inner compiler)"),
+    ("comera_compile/backend.py", "compile_inner", "inner compiler (AOTAutograd + Inductor)"),
+    ("comera_compile/pass_manager.py", "run_passes", "pass manager"),
+    ("comera_compile/pass_manager.py", "_snapshot", "  rollback snapshots"),
+    ("passes/tensor_network.py", "tensor_network_pass", "  tensor_network pass"),
+    ("passes/cce.py", "cce_pass", "  cce pass"),
+    ("comera_compile/tt/planner.py", "plan_linear", "    planner (linear)"),
+    ("comera_compile/tt/planner.py", "plan_embedding", "    planner (embedding)"),
+    ("comera_compile/matching.py", "writes", "    write analysis (writes)"),
+    ("comera_compile/matching.py", "first_write", "    write analysis (first_write)"),
+    ("comera_compile/fx_utils.py", "fake_node", "    fake-tensor propagation"),
+    ("comera_compile/fx_utils.py", "checked_replace", "    checked replacement"),
+    ("kernels/linear_cross_entropy.py", "decide_fused_loss", "    fused-loss cost rule"),
+    ("comera_compile/backend.py", "_readable", "  report building (graph text)"),
+    ("comera_compile/cache.py", "source_fingerprint", "  cache key (source hash)"),
+    ("kernels/tt_runtime.py", "group_outputs", "group_outputs (fake propagation + AOT's trace)"),
+)
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+
+def build(model_name: str, size: str):
+    """The model and a batch maker, at ``size`` ("full": bench_e2e.py's; "small": every layer, narrower)."""
+    import torch
+
+    import bench_e2e
+
+    if size == "full":
+        return bench_e2e.build(model_name, smoke=False)
+    if model_name == "encoder":
+        vocab, batch, seq = 8192, 8, 64
+        model = bench_e2e.SixEncoder(vocab=vocab, d=256, layers=6, heads=4, ffn=1024, positions=128)
+
+        def make(device, gen):
+            return (torch.randint(0, vocab, (batch, seq), device=device, generator=gen),
+                    torch.randint(0, 2, (batch, seq), device=device, generator=gen),
+                    torch.randint(0, 3, (batch,), device=device, generator=gen))
+
+        return model, make
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    model = bench_e2e.CausalLMLoss(LlamaForCausalLM(cfg))
+
+    def make(device, gen):
+        return (torch.randint(0, cfg.vocab_size, (2, 128), device=device, generator=gen),)
+
+    return model, make
+
+
+class _BackendRecords(logging.Handler):
+    """Keeps the timing records the comera backend logs (``extra={"comera_timing": ...}``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.timings: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        timing = getattr(record, "comera_timing", None)
+        if timing is not None:
+            self.timings.append(dict(timing))
+
+
+class _BypassReasons(logging.Handler):
+    """Why a cache was bypassed, from torch's own log records."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Bypassing"):
+            self.reasons.append(message.splitlines()[0][:300])
+
+
+def _listen():
+    records = _BackendRecords()
+    comera = logging.getLogger("comera_compile")
+    comera.addHandler(records)
+    if comera.getEffectiveLevel() > logging.INFO:
+        comera.setLevel(logging.INFO)
+    bypass = _BypassReasons()
+    for name in ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache"):
+        logger = logging.getLogger(name)
+        logger.addHandler(bypass)
+        logger.setLevel(logging.DEBUG)
+    return records, bypass
+
+
+def _phases() -> dict[str, float]:
+    """Dynamo's compile phases (seconds, summed over graphs) for the names in PHASES."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv")
+    out = {}
+    for name, value in zip(names, values):
+        if name in PHASES:
+            out[PHASES[name]] = sum(float(v) for v in str(value).split(","))
+    return out
+
+
+def _counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    keys = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+            "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+    out = {k: int(counters[group][k]) for group, names in keys.items() for k in names}
+    out["graphs"] = int(counters["stats"]["unique_graphs"])
+    from torch._inductor import metrics
+
+    out["kernels"] = int(metrics.generated_kernel_count)
+    return out
+
+
+def run_one(args) -> dict:
+    """Build, compile and time one variant in this process (the parent set the cache folder)."""
+    import contextlib
+
+    import torch
+
+    import bench_e2e
+
+    records, bypass = _listen()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model, make = build(args.model, args.size)
+    if args.variant.startswith("tt"):
+        bench_e2e.tensorize(model, args.model, "tt")
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if args.variant.endswith("inductor"):
+        fn = torch.compile(model)
+    else:
+        import comera_compile  # noqa: F401  (registers the backend in a source checkout)
+
+        fn = torch.compile(model, backend="comera")
+    gen = torch.Generator(device=device).manual_seed(1)
+    batches = [make(device, gen) for _ in range(2)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(i: int) -> float:
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = fn(*batches[i % 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - start
+
+    profile = None
+    if args.cprofile:
+        import cProfile
+
+        profile = cProfile.Profile()
+    with profile if profile is not None else contextlib.nullcontext():
+        first = step(0)
+    steady = min(step(i) for i in range(1, 4))
+    result = {"model": args.model, "variant": args.variant, "size": args.size, "device": args.device,
+              "first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
+              "phases_s": _phases(), "counters": _counters(), "bypass_reasons": sorted(set(bypass.reasons)),
+              "backend": records.timings, "torch": torch.__version__}
+    if args.variant.endswith("comera"):  # what our cache key hashes: a warm run after an edit misses
+        from comera_compile.cache import source_fingerprint
+
+        result["comera_sources"] = source_fingerprint()
+    if profile is not None:
+        result["profile"] = _entry_point_times(profile)
+    return result
+
+
+def _entry_point_times(profile) -> dict[str, float]:
+    """Cumulative seconds of each ENTRY_POINTS function (summed over its definitions)."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats
+    out = {}
+    for suffix, function, label in ENTRY_POINTS:
+        total = sum(entry[3] for (path, _, name), entry in stats.items()
+                    if name == function and path.replace(os.sep, "/").endswith(suffix))
+        out[label] = total
+    return out
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def measure(model: str, variant: str, args, cache_dir: str, cprofile: bool = False) -> dict:
+    """One process on ``cache_dir``; returns its result (or the error's tail)."""
+    out = Path(cache_dir).parent / f"{Path(cache_dir).name}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, __file__, "--one", "--model", model, "--variants", variant, "--size", args.size,
+           "--device", args.device, "--out-one", str(out)] + (["--cprofile-one"] if cprofile else [])
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"model": model, "variant": variant, "error": (proc.stdout + proc.stderr)[-3000:]}
+    return json.loads(out.read_text())
+
+
+def run_all(args) -> list[dict]:
+    root = Path(tempfile.mkdtemp(prefix="bench_compile_"))
+    results = []
+    for model in args.models:
+        for variant in args.variants:
+            cold, warm = [], []
+            for r in range(args.repeat):
+                cache = str(root / f"{model}-{variant}-{r}")
+                cold.append(measure(model, variant, args, cache))
+                if args.warm:
+                    warm.append(measure(model, variant, args, cache))
+            entry = {"model": model, "variant": variant, "cold": cold, "warm": warm}
+            if args.profile and variant.endswith("comera"):
+                entry["profiled"] = measure(model, variant, args, str(root / f"{model}-{variant}-prof"), cprofile=True)
+            results.append(entry)
+            print(_row(entry, results), flush=True)
+    return results
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def _passes_s(runs: list[dict]) -> float:
+    values = [sum(t.get("passes_s", 0.0) for t in r["backend"]) for r in runs if "backend" in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def _row(entry: dict, results: list[dict]) -> str:
+    ref = next((e for e in results if e["model"] == entry["model"] and e["variant"] == "dense-inductor"), None)
+    cold = _median(entry["cold"], "compile_s")
+    base = _median(ref["cold"], "compile_s") if ref else float("nan")
+    warm = _median(entry["warm"], "compile_s") if entry["warm"] else float("nan")
+    errors = [r["error"] for r in entry["cold"] + entry["warm"] if "error" in r]
+    if errors:
+        return f"{entry['model']:<8} {entry['variant']:<15} FAILED:\n{errors[0]}"
+    last = entry["cold"][-1]
+    phases = last["phases_s"]
+    hits = entry["warm"][-1]["counters"] if entry["warm"] else {}
+    cache = (f"fx {hits.get('fxgraph_cache_hit', 0)}/{hits.get('fxgraph_cache_miss', 0)}/"
+             f"{hits.get('fxgraph_cache_bypass', 0)} aot {hits.get('autograd_cache_hit', 0)}/"
+             f"{hits.get('autograd_cache_miss', 0)}/{hits.get('autograd_cache_bypass', 0)}") if hits else "-"
+    nodes = sum(t.get("nodes", 0) for t in last["backend"]) or "-"
+    return (f"{entry['model']:<8} {entry['variant']:<15} {cold:8.1f} {cold / base:6.2f} {warm:8.1f} "
+            f"{_passes_s(entry['cold']):8.2f} {nodes!s:>6} "
+            + " ".join(f"{phases.get(label, float('nan')):7.1f}" for label in PHASES.values())
+            + f"  {cache}")
+
+
+HEADER = (f"{'model':<8} {'variant':<15} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'passes':>8} {'nodes':>6} "
+          + " ".join(f"{label[:7]:>7}" for label in PHASES.values()) + "  warm cache hit/miss/bypass")
+
+
+def report(results: list[dict]) -> None:
+    for entry in results:
+        sources = {r.get("comera_sources") for r in entry["cold"] + entry["warm"]} - {None}
+        if len(sources) > 1:
+            print(f"--- {entry['model']} {entry['variant']}: the package's sources changed between the cold and the "
+                  "warm run (an edit in the tree): the warm run rightly missed the cache; measure on a quiet tree")
+        reasons = sorted({x for r in entry["cold"] + entry["warm"] for x in r.get("bypass_reasons", [])})
+        if reasons:
+            print(f"--- {entry['model']} {entry['variant']}: cache bypassed: " + " | ".join(reasons))
+        prof = entry.get("profiled", {}).get("profile")
+        if prof:
+            print(f"--- {entry['model']} {entry['variant']}: where the backend's time goes (cProfile, cumulative s)")
+            for label, seconds in prof.items():
+                print(f"  {label:<50} {seconds:8.3f}")
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["encoder", "llama", "all"], default="all")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    ap.add_argument("--size", choices=["small", "full"], default="small")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--repeat", type=int, default=1, help="cold measurements per variant (median)")
+    ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip the warm measurement")
+    ap.add_argument("--profile", action="store_true", help="one more cold run of each comera variant under cProfile")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cprofile-one", dest="cprofile", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.variants = args.variants.split(",")
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; valid: {list(VARIANTS)}")
+    if args.one:
+        args.variant = args.variants[0]
+        Path(args.out_one).write_text(json.dumps(run_one(args)))
+        return []
+    args.models = ["encoder", "llama"] if args.model == "all" else [args.model]
+    if "dense-inductor" not in args.variants:  # the reference of the ratio
+        args.variants.insert(0, "dense-inductor")
+    import torch
+
+    print(f"{args.device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, size {args.size}; compile s = "
+          "first training step - steady step; ratio: cold against dense-inductor's cold; passes: the comera "
+          "backend's passes (cold); phases from torch._dynamo.utils.compile_times (cold)", flush=True)
+    print(HEADER, flush=True)
+    results = run_all(args)
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
