@@ -129,7 +129,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
             patches.setdefault("max_autotune", True)
         inner_compile = compile_fx_inner if graph is None else _timed_backward(compile_fx_inner, graph)
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                          config_patches=inductor_config_patches(patches))
+                          config_patches=inductor_config_patches(patches, gm))
     if cudagraphs:
         # aot_eager / eager + CUDA graphs: Dynamo's AOT-autograd cudagraphs backend.
         return lookup_backend("cudagraphs")(gm, example_inputs)

@@ -3,6 +3,12 @@
 The AOTAutograd / FX graph caches key on the rewritten graph, not on our ops' Python fake,
 autograd or kernel code (after a change to a backward formula a warm cache served the old gradient). A no-op ``CustomGraphPass`` whose ``uuid()`` hashes
 this package's sources enters Inductor's cache key, so any change to them changes the key.
+
+The AOTAutograd cache refuses (bypasses) a Dynamo graph that calls a Python function it does not
+know, and the ``tensor_network`` pass puts the TT executor's functions there (``group_outputs``,
+``project``, ``lookup``, which AOTAutograd traces into aten ops). They are marked cacheable for our
+compiles only, each keyed on the same source hash: a warm process skips AOTAutograd and Inductor
+as it does for a plain Inductor graph, and a change to their code changes the key.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from comera_compile.fx_utils import iter_graph_modules
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
 def hash_sources(roots: list[str]) -> str:
@@ -61,8 +71,22 @@ class SourceKeyedPass(CustomGraphPass):
         return ("comera_compile", source_fingerprint(), inner_uuid)
 
 
-def inductor_config_patches(user_patches: dict[str, Any]) -> dict[str, Any]:
-    """Config patches for ``compile_fx`` that add our cache key (composed with a user's pass)."""
+def graph_functions(gm: torch.fx.GraphModule) -> list[str]:
+    """Qualified names of this package's Python functions that ``gm`` or a subgraph calls."""
+    names = set()
+    for _, sub in iter_graph_modules(gm):
+        for node in sub.graph.nodes:
+            target = node.target
+            if (node.op == "call_function" and callable(target) and not isinstance(target, _OPS)
+                    and getattr(target, "__module__", "").startswith("comera_compile.")):
+                names.add(f"{target.__module__}.{target.__name__}")
+    return sorted(names)
+
+
+def inductor_config_patches(user_patches: dict[str, Any],
+                            gm: torch.fx.GraphModule | None = None) -> dict[str, Any]:
+    """Config patches for ``compile_fx`` that add our cache key (composed with a user's pass) and,
+    given the graph, mark the functions of ours it calls cacheable under that key."""
     from torch._inductor import config as inductor_config
 
     patches = dict(user_patches)
@@ -70,4 +94,10 @@ def inductor_config_patches(user_patches: dict[str, Any]) -> dict[str, Any]:
     if isinstance(existing, SourceKeyedPass):
         existing = existing.inner
     patches["post_grad_custom_post_pass"] = SourceKeyedPass(existing)
+    functions = graph_functions(gm) if gm is not None else []
+    if functions:
+        marked = dict(patches.get("unsafe_marked_cacheable_functions",
+                                  inductor_config.unsafe_marked_cacheable_functions))
+        marked.update((name, source_fingerprint()) for name in functions)
+        patches["unsafe_marked_cacheable_functions"] = marked
     return patches

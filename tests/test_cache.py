@@ -84,3 +84,89 @@ def test_cudagraphs_option_reaches_inductor(monkeypatch):
     torch._dynamo.reset()
     torch.compile(lambda x: x + 2, backend="comera", options={"cudagraphs": True, "max_autotune": True})(torch.ones(2))
     assert seen["triton.cudagraphs"] is True and seen["max_autotune"] is True
+
+
+def _tt_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 64))
+    import comera_compile as cc
+
+    cc.tensorize_(model, {"0": cc.TTConfig(rank=4, fmt="tt", min_size=0)})
+    return model
+
+
+def _compile_tt(monkeypatch, fingerprint="code-v1", options=None):
+    """A fresh Dynamo compile (forward and backward) of a model with a tensor-train layer and a fused
+    head loss; returns the AOTAutograd and FX graph cache counters of that compile."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(cache, "source_fingerprint", lambda: fingerprint)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _tt_model()
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    x, y = torch.randn(8, 32), torch.randint(0, 64, (8,))
+    torch.compile(loss, backend="comera", options={"cce_min_vocab": 0, **(options or {})})(x, y).backward()
+    aot, fx = counters["aot_autograd"], counters["inductor"]
+    return {"hit": aot["autograd_cache_hit"], "miss": aot["autograd_cache_miss"],
+            "bypass": aot["autograd_cache_bypass"], "fx_hit": fx["fxgraph_cache_hit"]}
+
+
+def _rewrites_of_tt_graph():
+    import comera_compile as cc
+    import torch.nn.functional as F
+
+    model = _tt_model()
+    report = cc.explain(lambda x, y: F.cross_entropy(model(x), y), torch.randn(8, 32),
+                        torch.randint(0, 64, (8,)), options={"inner": "eager", "cce_min_vocab": 0})
+    return {r.kind for r in report.rewrites}
+
+
+def test_tt_graph_hits_the_aot_cache_in_a_second_compile(monkeypatch, tmp_path):
+    """The tensor_network pass calls the TT executor's Python functions in the graph: marked
+    cacheable under our source hash, a second compile loads the graph from the AOTAutograd cache
+    (no trace, no Inductor), and a change to our code misses."""
+    assert _rewrites_of_tt_graph() == {"tt_linear", "cce"}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor import config
+
+    with config.patch({"fx_graph_cache": True, "fx_graph_remote_cache": False}):
+        first = _compile_tt(monkeypatch)
+        assert first["miss"] == 1 and first["bypass"] == 0 and first["hit"] == 0
+        second = _compile_tt(monkeypatch)
+        assert second["hit"] == 1 and second["miss"] == 0, "same code, same options: the cache serves the graph"
+        changed = _compile_tt(monkeypatch, fingerprint="code-v2")
+        assert changed["miss"] == 1 and changed["hit"] == 0, "changed code: the cached graph must not be served"
+    assert "group_outputs" not in str(config.unsafe_marked_cacheable_functions), "marked for our compiles only"
+
+
+def test_a_changed_option_changes_the_cache_key(monkeypatch, tmp_path):
+    """An option that changes what the passes emit (the fused loss's backward) is a different graph:
+    no stale hit; the first options hit again afterwards."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor import config
+
+    with config.patch({"fx_graph_cache": True, "fx_graph_remote_cache": False}):
+        assert _compile_tt(monkeypatch, options={"cce_backward": "exact"})["miss"] == 1
+        other = _compile_tt(monkeypatch, options={"cce_backward": "filtered"})
+        assert other["miss"] == 1 and other["hit"] == 0
+        assert _compile_tt(monkeypatch, options={"cce_backward": "exact"})["hit"] == 1
+
+
+def test_graph_functions_names_only_our_python_functions():
+    from comera_compile.kernels import tt_runtime
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    t = graph.call_function(tt_runtime.project, (x, x, torch.float32))
+    s = graph.call_function(torch.sin, (t,))
+    graph.output(graph.call_function(torch.ops.aten.cos.default, (s,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert cache.graph_functions(gm) == ["comera_compile.kernels.tt_runtime.project"]
+    patches = inductor_config_patches({}, gm)
+    assert patches["unsafe_marked_cacheable_functions"] == {
+        "comera_compile.kernels.tt_runtime.project": cache.source_fingerprint()}
