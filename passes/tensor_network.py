@@ -274,7 +274,12 @@ def _cast(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
 
 
 def _refresh(site: _Site, materialize: set) -> None:
-    """Re-read the site's input and bias: earlier rewrites may have replaced the nodes they were."""
+    """Re-read the site's input and bias where an earlier rewrite replaced the nodes they were (a
+    replaced node is no input of the site any more; checking that is cheap, re-matching is not, and
+    every site is refreshed once per other site)."""
+    inputs = site.node.all_input_nodes
+    if all(v is None or v in inputs for v in (site.x, site.bias)):
+        return
     fresh = _match(site.node, materialize)
     site.x, site.bias = fresh.x, fresh.bias
 
@@ -326,10 +331,11 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
     checked_replace(node, new, erase=[site.w])
 
 
-def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, graph: fx.Graph,
+def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, order: dict[fx.Node, int],
                   materialize: set) -> list[_Site]:
     """``site`` and the other factored sites not yet rewritten that read the same input in the same
-    dtype and whose first factors exist before the earliest of them (in graph order)."""
+    dtype and whose first factors exist before the earliest of them (in graph order: ``order``
+    numbers the sites' nodes and their groups' outputs)."""
     if site.output not in ("factors", "factors_t"):
         return [site]
     _refresh(site, materialize)
@@ -343,7 +349,6 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, g
             batch.append(other)
     if len(batch) == 1:
         return batch
-    order = {n: i for i, n in enumerate(graph.nodes)}
     batch.sort(key=lambda s: order[s.node])
     first = order[batch[0].node]
     if not all(order[_parts(home[id(s)], s)[0]] < first for s in batch):
@@ -386,16 +391,16 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     for g in groups:
         _emit_group(graph, g)
+    order = {n: i for i, n in enumerate(graph.nodes)}  # inserting nodes keeps the others' order
     home = {id(site): g for g in groups for site in g.sites}
     count = 0
     done: set[int] = set()
     for site in sorted(sites, key=lambda s: order[s.node]):
         if id(site) in done:
             continue
-        batch = _shared_input(site, sites, done, home, graph, materialize)
+        batch = _shared_input(site, sites, done, home, order, materialize)
         where = module_name(site.node)
         try:
             if len(batch) > 1:
