@@ -59,8 +59,9 @@ PHASES = {
 }
 # The backend's entry points whose cumulative time --profile reports: (file suffix, function).
 ENTRY_POINTS = (
-    ("comera_compile/backend.py", "compile_graph", "backend (passes + inner compiler)"),
-    ("comera_compile/backend.py", "compile_inner", "inner compiler (AOTAutograd + Inductor)"),
+    ("comera_compile/backend.py", "compile_graph", "backend (passes + inner compiler, forward)"),
+    ("comera_compile/backend.py", "compile_inner", "inner compiler (AOTAutograd + Inductor, forward)"),
+    ("torch/_inductor/compile_fx.py", "bw_compiler", "Inductor, backward (at the first backward)"),
     ("comera_compile/pass_manager.py", "run_passes", "pass manager"),
     ("comera_compile/pass_manager.py", "_snapshot", "  rollback snapshots"),
     ("passes/tensor_network.py", "tensor_network_pass", "  tensor_network pass"),
