@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile import explain, tt
+from tiny_models import Tiny  # noqa: E402  (tests/tensorize/tiny_models.py)
 from comera_compile.tensorize import (
     TTConfig,
     TTParametrization,
@@ -35,17 +36,6 @@ def reference_weight(cores, gates, spec):
         acc = acc.permute(list(range(0, 2 * d, 2)) + list(range(1, 2 * d, 2)))
     m = acc.reshape(spec.padded_rows, spec.padded_cols)[: spec.rows, : spec.cols]
     return m.t() if spec.transpose else m
-
-
-class Tiny(nn.Module):
-    def __init__(self, vocab=101, d=48, hidden=80, n_out=7):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, n_out)
-
-    def forward(self, idx):
-        return self.fc2(torch.relu(self.fc1(self.emb(idx)))).mean(1)
 
 
 def _tensorized_tiny(seed=0, rank=6, **kw):
@@ -330,7 +320,7 @@ def test_invalid_rank_or_shape_raises_naming_the_layer():
         assert list(iter_tt_layers(m)) == []  # nothing changed
         assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     for kwargs, match in [(dict(fmt="cp"), "'auto', 'tt', 'ttm'"), (dict(rank=0), "rank"),
-                          (dict(rank=[2, 0]), "positive"), (dict(init="zeros"), "'random', 'svd'"),
+                          (dict(rank=[2, 0]), "positive"), (dict(init="zeros"), "'random', 'balanced', 'svd'"),
                           (dict(svd_tol=0.1), "svd_tol"), (dict(modes=((2, 3),)), "row_modes, col_modes"),
                           (dict(max_pad=-1), "max_pad"), (dict(n_cores=0), "n_cores")]:
         with pytest.raises(ValueError, match=match):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile import explain, tt
+from tiny_models import Tiny  # noqa: E402  (tests/tensorize/tiny_models.py)
 from comera_compile.tensorize import TTConfig, compression_report, densify_, iter_tt_layers, tensorize_
 
 
@@ -25,17 +26,6 @@ def reference_btt(cores, gates, spec):
                       for j in range(b1)], dim=0)
     m = full[: spec.rows, : spec.cols]
     return m.t() if spec.transpose else m
-
-
-class Tiny(nn.Module):
-    def __init__(self, vocab=101, d=48, hidden=80, n_out=7):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, n_out)
-
-    def forward(self, idx):
-        return self.fc2(torch.relu(self.fc1(self.emb(idx)))).mean(1)
 
 
 def _btt_tiny(seed=0, rank=3, **kw):
