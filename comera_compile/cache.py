@@ -95,9 +95,9 @@ def inductor_config_patches(user_patches: dict[str, Any],
         existing = existing.inner
     patches["post_grad_custom_post_pass"] = SourceKeyedPass(existing)
     functions = graph_functions(gm) if gm is not None else []
-    if functions:
-        marked = dict(patches.get("unsafe_marked_cacheable_functions",
-                                  inductor_config.unsafe_marked_cacheable_functions))
+    current = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)  # a torch without it: no cache
+    if functions and current is not None:
+        marked = dict(patches.get("unsafe_marked_cacheable_functions", current))
         marked.update((name, source_fingerprint()) for name in functions)
         patches["unsafe_marked_cacheable_functions"] = marked
     return patches
