@@ -553,17 +553,6 @@ def test_btt_flag_replaces_every_block_linear():
             train_lm.parse_args(bad)
 
 
-def test_btt_run_trains_and_its_checkpoint_reloads(tmp_path):
-    ckpt = tmp_path / "btt.pt"
-    flags = SMALL + ["--d-model", "64", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--lr", "1e-2",
-                     "--btt", "1"]
-    log = train_lm.main(flags + ["--steps", "12", "--save", str(ckpt)])
-    assert log["block_parameters"] < log["block_dense_parameters"] / 3
-    assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
-    again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
-    assert again["steps"][0]["loss"] < log["steps"][0]["loss"] - 0.3  # the trained cores came back
-
-
 def test_barrier_times_the_steps_after_it(tmp_path):
     log = train_lm.main(SMALL + ["--steps", "6", "--batch-size", "4", "--seq-len", "16", "--eval-every", "0",
                                  "--barrier", str(tmp_path / "b"), "--barrier-step", "2"])
@@ -578,12 +567,13 @@ def test_barrier_times_the_steps_after_it(tmp_path):
         train_lm.parse_args(["--barrier", str(tmp_path), "--barrier-step", "0"])
 
 
-def test_lowrank_run_trains_and_its_checkpoint_reloads(tmp_path):
+@pytest.mark.parametrize("flag, rank, shrink", [("--lowrank", "4", 5), ("--btt", "1", 3)])
+def test_factored_run_trains_and_its_checkpoint_reloads(tmp_path, flag, rank, shrink):
     ckpt = tmp_path / "low.pt"
     flags = SMALL + ["--d-model", "64", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--lr", "1e-2",
-                     "--lowrank", "4"]
+                     flag, rank]
     log = train_lm.main(flags + ["--steps", "12", "--save", str(ckpt)])
-    assert log["block_parameters"] < log["block_dense_parameters"] / 5
+    assert log["block_parameters"] < log["block_dense_parameters"] / shrink
     assert log["steps"][-1]["loss"] < log["steps"][0]["loss"]
     again = train_lm.main(flags + ["--steps", "1", "--lr", "0", "--init-from", str(ckpt)])
     assert again["steps"][0]["loss"] < log["steps"][0]["loss"] - 0.3  # the trained factors came back
