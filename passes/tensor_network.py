@@ -95,6 +95,14 @@ def _spec(w: fx.Node) -> TTSpec:
         raise Declined(f"{M.describe(w)} does not describe a TT layer: {exc}") from None
 
 
+def _is_btt(node: fx.Node) -> bool:
+    """A ``tt_materialize`` node of a 'btt' layer (whose weight is meant to be formed: see ``_check_shapes``)."""
+    try:
+        return TTSpec.from_materialize_node(node).fmt == "btt"
+    except (TypeError, ValueError):
+        return False
+
+
 def _is_tt(value: Any, materialize: set) -> bool:
     return isinstance(value, fx.Node) and value.op == "call_function" and value.target in materialize
 
@@ -421,8 +429,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     for g in groups:
         erase_unused([n for items in g.parts for n in items] + [g.call])
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in materialize:
-            users = ", ".join(u.name for u in node.users)
+        if node.op == "call_function" and node.target in materialize and not _is_btt(node):
+            users = ", ".join(u.name for u in node.users)  # (a btt layer's reason is given at its site)
             ctx.skip(NAME, f"tt_materialize still forms a dense weight for: {users}", module_name(node))
     return count
 

@@ -201,3 +201,4 @@ def test_compiled_training_step_matches_eager(backend):
     if backend == "comera":
         text = str(explain(compiled_model, idx))
         assert "'btt' layer is left to its marker op" in text
+        assert "still forms a dense weight" not in text  # one reason per btt layer, not a second, generic one
