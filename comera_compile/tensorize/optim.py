@@ -57,6 +57,12 @@ def param_groups(
     dense weight it replaces in place, so an optimizer built before it holds that empty tensor, not
     the layer's cores, and never trains them; nothing fails (the comera backend warns at such an
     optimizer's first step). A learning-rate schedule should scale each group's own ``lr``.
+
+    The learning rate itself: a model with TT-matrix (or btt) layers trained best at a higher ``lr``
+    than its dense twin. In a GPT (d 768, 6 layers, TT-matrix rank 32 on the blocks, 31 M tokens, AdamW)
+    the best of a sweep was 4.8e-3 for every group, 8x the dense model's 6e-4; at the dense model's
+    ``lr`` the tensorized model lost to a dense model of its size. Sweep it rather than reuse the dense
+    value.
     """
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("core_lr", core_lr), ("gate_lr", gate_lr),
                         ("core_weight_decay", core_weight_decay), ("gate_weight_decay", gate_weight_decay)):
