@@ -4,14 +4,17 @@ trained at equal steps and tokens, side by side on one GPU, collected into a tab
     python benchmarks/quality_study.py --list                            # the configurations
     python benchmarks/quality_study.py --out-dir study --configs first --deadline-s 530   # one GPU call
     python benchmarks/quality_study.py --out-dir study --configs dense,ttm-r32,adapt-r64 --steps 800
-    python benchmarks/quality_study.py --out-dir study --timing --configs dense,ttm-r32   # step time, one at a time
-    python benchmarks/quality_study.py --out-dir qb --configs benchmark --lrs 5e-4,1e-3,2e-3 --concurrency 18
+    python benchmarks/quality_study.py --out-dir study --timing --configs dense,ttm-r32   # step time, each alone
+    python benchmarks/quality_study.py --out-dir qb --configs benchmark --lrs grid --concurrency 14
     python benchmarks/quality_study.py --out-dir smoke --smoke           # CPU, tiny sizes: checks the pipeline
 
-The quality benchmark (``--configs benchmark``): dense, dense-iso (a narrower dense model with the total
-parameters of ttm-r32; a second seed, dense-iso-s1), lowrank-iso (each block Linear as two Linears
-``d_in -> r -> d_out``, ``r`` giving the block parameters of ttm-r32), ttm-r32 and tt-r32, each at every
-``--lrs`` learning rate (runs ``NAME@LR``; ``--configs NAME@LR`` adds one), on the ``python`` corpus
+The quality benchmark (``--configs benchmark``, ``benchmarks/quality_benchmark.sh``): dense, dense-iso (a
+narrower dense model with the total parameters of ttm-r32; a second seed, dense-iso-s1), lowrank-iso (each
+block Linear as two Linears ``d_in -> r -> d_out``, ``r`` giving the block parameters of ttm-r32), cola-iso
+(the same with a SiLU between), btt-iso (block tensor-trains at those parameters), ttm-r32, tt-all (``"tt"``
+at those parameters) and adapt-r64 (rank adaptation from r64 to ttm-r32's size), each at every learning rate
+of ``--lrs`` (``grid``: each configuration's own three; runs ``NAME@LR``; ``--configs NAME@LR`` adds one);
+``--configs next`` holds its follow-ups. On the ``python`` corpus
 (train_lm's gpu preset: the standard library and the installed packages, 200 MB), every training window
 seen at most once (train_lm stops a run that needs more than one epoch; the study checks before it starts).
 The tables give each configuration at its best learning rate (``(edge)`` when that is the smallest or
@@ -24,7 +27,8 @@ they share the GPU. A run that needs another's checkpoint (``svd-*`` start from 
 learning rate) starts when that one is done. ``--deadline-s`` (counted from the study's start, data
 preparation included) stops what is still running in time to write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
 validation loss (marked). Step times measured side by side are inflated by the sharing; ``--timing``
-runs each configuration alone (once, whatever ``--lrs`` says) for ``--timing-steps`` steps and the
+times each configuration alone (once, whatever ``--lrs`` says: all compile side by side, then each runs
+its timed steps while the others wait, train_lm ``--barrier``) for ``--timing-steps`` steps and the
 tables take step time and memory from there when present (``--trained``: from the models the study
 saved, e.g. at the ranks rank adaptation ended with).
 
