@@ -812,7 +812,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "included) and report what they logged")
     p.add_argument("--extra", default="", help="more train_lm flags for every run, e.g. '--cuda-graphs'")
     p.add_argument("--cache-dir", type=Path, default=None, help="tokenizer cache (default: <out-dir>/cache)")
-    p.add_argument("--timing", action="store_true", help="run each configuration alone, --timing-steps steps")
+    p.add_argument("--timing", action="store_true",
+                   help="time each configuration alone, --timing-steps steps: all start at once (each holds its "
+                        "model on the GPU while it waits for its turn), compile side by side, then run in turn")
     p.add_argument("--timing-steps", type=int, default=40)
     p.add_argument("--trained", action="store_true",
                    help="with --timing: start each configuration from the model the study saved "
