@@ -268,7 +268,7 @@ class Sizer:
                 best = (gap, shape)
         return best[1]
 
-    def lowrank_rank(self, flags: list[str], target_blocks: int, flag: str = "--lowrank") -> int:
+    def factor_rank(self, flags: list[str], target_blocks: int, flag: str = "--lowrank") -> int:
         """The rank of ``flag`` (``--lowrank`` or ``--btt``, one for every compressed Linear) whose block
         parameters are closest to ``target_blocks``."""
         def count(rank: int) -> int:
@@ -369,7 +369,7 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
         flags += sizer.iso_width(sizer.params(resolve(cfg.iso_of, opts, sizer, out)[0]), flags)
     if cfg.lowrank_of:
         target = sizer.counts(resolve(cfg.lowrank_of, opts, sizer, out)[0])["blocks"]
-        flags += [cfg.factor_flag, str(sizer.lowrank_rank(flags, target, cfg.factor_flag))]
+        flags += [cfg.factor_flag, str(sizer.factor_rank(flags, target, cfg.factor_flag))]
     for kind, ref in cfg.match.items():
         target = sizer.kind_params(resolve(ref, opts, sizer, out)[0], kind)
         flags = with_rank(flags, kind, sizer.matched_rank(flags, kind, target))

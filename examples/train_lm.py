@@ -290,8 +290,8 @@ def layer_kind(fqn: str) -> str | None:
     return None
 
 
-def lowrank_(model: nn.Module, ranks: dict, kinds: tuple[str, ...], act: str = "none",
-             structure: str = "lowrank") -> list[str]:
+def factor_linears_(model: nn.Module, ranks: dict, kinds: tuple[str, ...], act: str = "none",
+                    structure: str = "lowrank") -> list[str]:
     """Replace each ``nn.Linear`` of the given kinds by a :class:`LowRankLinear` (``structure="lowrank"``,
     with ``act`` between its factors) or a :class:`BTTLinear` (``"btt"``) of its kind's rank (from
     :func:`per_kind`), started at the model's init std; returns the names replaced."""
@@ -637,7 +637,7 @@ def compress(model: nn.Module, args: argparse.Namespace) -> None:
         structure = "lowrank" if args.lowrank is not None else "btt"
         rank_of = args.lowrank if args.lowrank is not None else args.btt
         before = block_parameters(model)
-        replaced = lowrank_(model, rank_of, args.compress, act=args.lowrank_act, structure=structure)
+        replaced = factor_linears_(model, rank_of, args.compress, act=args.lowrank_act, structure=structure)
         ranks = sorted({for_kind(rank_of, layer_kind(f)) for f in replaced})
         what = ("two-core block tensor-trains" if structure == "btt" else
                 f"d_in -> r -> d_out products{'' if args.lowrank_act == 'none' else ' with ' + args.lowrank_act}")
