@@ -21,6 +21,9 @@ itself). The work of a layer splits into two parts (the plan of :mod:`comera_com
 2. **token-sized**: :func:`project` (``x @ F1``, then the caller's own ``F.linear(t, F2, bias)``), a
    plain ``linear``/``embedding`` with the dense weight, or :func:`lookup`.
 
+A block tensor-train (``"btt"``) layer is no chain: :func:`btt_linear` contracts the tokens through its
+two cores as two batched GEMMs (the plan's ``"blocks"`` strategy), straight from the flat storage.
+
 Merges run in the site's compute dtype (bf16 under autocast: tensor cores, fp32 accumulation), with
 autocast switched off inside so the dtypes are exactly the ones written here.
 
@@ -37,14 +40,14 @@ from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.format import TTSpec, chain_modes, join_flat
+from comera_compile.tt.format import TTSpec, chain_modes, join_flat, split_flat
 from comera_compile.tt.planner import Bracket, Cut
 
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
-__all__ = ["OUTPUTS", "Output", "chain_modes", "group_outputs", "layer_outputs", "layer_spec", "lookup",
-           "project"]
+__all__ = ["OUTPUTS", "Output", "btt_linear", "chain_modes", "group_outputs", "layer_outputs", "layer_spec",
+           "lookup", "project"]
 
 #: What :func:`group_outputs` returns per layer (see there).
 Output = Literal["factors", "factors_t", "dense", "dense_t", "tables"]
@@ -246,3 +249,43 @@ def layer_outputs(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], 
     """:func:`group_outputs` for one layer given as lists of cores and gates."""
     core_flat, gate_flat = join_flat(cores, gates)
     return group_outputs([core_flat], [gate_flat], spec, plan, output, dtype)
+
+
+def btt_linear(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec, x_times_m: bool,
+               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ M + bias`` (``x_times_m``; ``x @ Mᵀ + bias`` otherwise) for the block tensor-train layer
+    ``spec``, its cores in flat storage, without forming ``M``: the ``"blocks"`` plan of
+    :func:`~comera_compile.tt.planner.plan_btt_linear`, in ``dtype`` (autocast off inside).
+
+    With ``M[(j, b), (c, a)] = sum_k R[j, b, c, k] g[k] L[k, c, j, a]``: ``T[j] = X[:, j, :] @ (R g)[j]``
+    (one GEMM per row block ``j``, batched), then ``Y[c] = T[:, :, c, :] @ L[:, c]`` (one per column
+    block ``c``, batched). ``x @ Mᵀ`` is the same product with the roles of the cores swapped:
+    ``Mᵀ[(c, a), (j, b)] = sum_k L'[c, a, j, k] g[k] R'[k, j, c, b]``, L' and R' permuted views."""
+    (R, L), gates = split_flat(core_flat, gate_flat, spec)
+    rows, cols = spec.rows, spec.cols
+    first, second = R, L
+    if not x_times_m:
+        first, second = L.permute(1, 3, 2, 0), R.permute(3, 0, 2, 1)
+        rows, cols = cols, rows
+    with _no_autocast(x):
+        first = (first * gates[0].to(first.dtype)).to(dtype)
+        return _btt_apply(x.to(dtype), first, second.to(dtype), rows, cols,
+                          None if bias is None else bias.to(dtype))
+
+
+def _btt_apply(x: torch.Tensor, R: torch.Tensor, L: torch.Tensor, rows: int, cols: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., rows] -> [..., cols]`` through ``R [b1, b2, c, r]`` (gate folded in) and ``L [r, c, b1, a]``."""
+    b1, b2, c, r = R.shape
+    a = L.shape[3]
+    lead = x.shape[:-1]
+    xt = x.reshape(-1, x.shape[-1])
+    if rows < b1 * b2:  # the padding rows of M meet zero features
+        xt = torch.nn.functional.pad(xt, (0, b1 * b2 - rows))
+    n = xt.shape[0]
+    t = torch.bmm(xt.reshape(n, b1, b2).transpose(0, 1), R.reshape(b1, b2, c * r))  # [b1, n, c r]
+    t = t.reshape(b1, n, c, r).permute(2, 1, 0, 3).reshape(c, n, b1 * r)  # regrouped by column block
+    y = torch.bmm(t, L.permute(1, 2, 0, 3).reshape(c, b1 * r, a))  # [c, n, a]
+    y = y.transpose(0, 1).reshape(n, c * a)
+    y = _crop(y, 1, cols).reshape(*lead, cols)
+    return y if bias is None else y + bias

@@ -54,7 +54,7 @@ from comera_compile.fx_utils import (
 from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (defines the op)
 from comera_compile.kernels import tt_runtime
 from comera_compile.tt.format import TTSpec
-from comera_compile.tt.planner import TTPlan, plan_embedding, plan_linear
+from comera_compile.tt.planner import TTPlan, plan_btt_linear, plan_embedding, plan_linear
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext
@@ -74,7 +74,7 @@ class _Site:
     x_times_m: bool = True  # y = x @ M (nn.Linear, Conv1D); False: y = x @ Mᵀ (a tied head)
     padding_idx: int | None = None
     plan: TTPlan | None = None
-    output: tt_runtime.Output | None = None
+    output: tt_runtime.Output | str | None = None  # or "blocks": a btt layer, rewritten on its own
 
     @property
     def flats(self) -> tuple[fx.Node, fx.Node]:
@@ -147,11 +147,10 @@ def _understood(call: M.Bound, *names: str) -> None:
 def _check_shapes(site: _Site) -> None:
     spec = site.spec
     rows, cols = spec.rows, spec.cols
-    if spec.fmt == "btt":
-        raise Declined(f"a 'btt' layer is left to its marker op: forming its weight costs "
+    if spec.fmt == "btt" and site.kind == "tt_embedding":
+        raise Declined(f"a 'btt' embedding is left to its marker op: forming its table costs "
                        f"{2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} FLOPs (one batched GEMM), "
-                       f"then a dense {'lookup' if site.kind == 'tt_embedding' else 'GEMM'}, which Inductor "
-                       "compiles as it stands")
+                       "then a dense lookup, which Inductor compiles as it stands")
     if spec.n_cores < 2:
         raise Declined("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
@@ -202,6 +201,14 @@ def _plan(site: _Site, ctx: PassContext) -> None:
     n = 1
     for s in fx_.shape[:-1]:
         n *= size_hint(s)
+    if site.spec.fmt == "btt":
+        site.plan = plan_btt_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
+        if site.plan.strategy == "dense":
+            raise Declined(f"a 'btt' layer is left to its marker op at {n} tokens: forming its weight "
+                           f"({2 * site.spec.ranks[1] * site.spec.padded_rows * site.spec.padded_cols:,} FLOPs, one "
+                           f"batched GEMM), then a dense GEMM, is estimated cheaper; {site.plan.summary()}")
+        site.output = "blocks"
+        return
     site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
     if site.plan.strategy == "factored":
         site.output = "factors" if site.x_times_m else "factors_t"
@@ -339,6 +346,25 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
     checked_replace(node, new, erase=[site.w])
 
 
+def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
+    """A btt linear site as :func:`~comera_compile.kernels.tt_runtime.btt_linear`, read straight from the
+    layer's flat cores and gates where the site is (its weight is never formed)."""
+    _refresh(site, materialize)
+    node = site.node
+    dtype = fake(node).dtype
+    core_flat, gate_flat = site.flats
+    with graph.inserting_before(node):
+        new = graph.call_function(tt_runtime.btt_linear, (site.x, core_flat, gate_flat, site.spec, site.x_times_m,
+                                                          site.bias, dtype))
+    checked_replace(node, new, erase=[site.w])
+
+
+def _detail_btt(site: _Site) -> str:
+    s = site.spec
+    shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
+    return f"btt {shape}, blocks {s.describe()} at rank {s.ranks[1]}: {site.plan.summary()}\n{site.plan.describe()}"
+
+
 def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, order: dict[fx.Node, int],
                   materialize: set) -> list[_Site]:
     """``site`` and the other factored sites not yet rewritten that read the same input in the same
@@ -396,6 +422,17 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             ctx.skip(NAME, str(reason), module_name(node))
             continue
         sites.append(site)
+    count = 0
+    for site in [s for s in sites if s.output == "blocks"]:
+        where = module_name(site.node)
+        try:
+            _rewrite_btt(graph, site, materialize)
+        except RewriteRejected as exc:
+            ctx.skip(site.kind, str(exc), where)
+            continue
+        ctx.rewrite(site.kind, where, _detail_btt(site))
+        count += 1
+    sites = [s for s in sites if s.output != "blocks"]
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
@@ -403,7 +440,6 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
         _emit_group(graph, g)
     order = {n: i for i, n in enumerate(graph.nodes)}  # inserting nodes keeps the others' order
     home = {id(site): g for g in groups for site in g.sites}
-    count = 0
     done: set[int] = set()
     for site in sorted(sites, key=lambda s: order[s.node]):
         if id(site) in done:

@@ -65,6 +65,7 @@ __all__ = [
     "clear_plan_cache",
     "cut_at",
     "dense_split",
+    "plan_btt_linear",
     "plan_embedding",
     "plan_linear",
     "plan_tt_embedding",
@@ -77,8 +78,8 @@ __all__ = [
 #: A merge order of a run of consecutive cores: a core index, or a pair of brackets merged last.
 Bracket = Union[int, tuple["Bracket", "Bracket"]]
 #: The token-sized path of a plan: ``"factored"`` / ``"dense"`` for a linear, ``"tables"`` / ``"dense"``
-#: for an embedding.
-Strategy = Literal["factored", "dense", "tables"]
+#: for an embedding, ``"blocks"`` / ``"dense"`` for a block tensor-train linear (:func:`plan_btt_linear`).
+Strategy = Literal["factored", "dense", "tables", "blocks"]
 PlanKind = Literal["linear", "embedding"]
 Phase = Literal["merge", "forward", "backward", "merge_backward"]
 
@@ -368,8 +369,11 @@ class TTPlan:
         head = (f"{self.kind} {self.fmt} rows={list(self.row_modes)} cols={list(self.col_modes)} "
                 f"ranks={list(self.ranks)} tokens={self.n_tokens}: {self.strategy}"
                 f"{' [forms the dense weight]' if self.forms_dense_weight else ''}")
-        halves = f"  halves: cores 1-{self.split} merged as {_show(self.left)}, {self.split + 1}-{len(self.ranks) - 1} as " \
-                 f"{_show(self.right)} (token-independent, batched over the layer's group)"
+        if self.fmt == "btt":
+            halves = "  cores R [b1, b2, c, r] and L [r, c, b1, a]; the gate folded into R"
+        else:
+            halves = f"  halves: cores 1-{self.split} merged as {_show(self.left)}, {self.split + 1}-{len(self.ranks) - 1} " \
+                     f"as {_show(self.right)} (token-independent, batched over the layer's group)"
         lines = [head, halves] + [s.describe() for s in self.steps]
         lines.append(f"  total ~{self.est_s * 1e6:.1f} us ({'inside a CUDA graph' if self.cudagraphs else 'no CUDA graph'}"
                      f"; planned in {self.plan_time_s * 1e3:.2f} ms)")
@@ -513,9 +517,9 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
 def _plannable(spec: TTSpec, what: str) -> TTSpec:
     """The structure to plan for ``spec`` (a ValueError when there is nothing to plan)."""
     if spec.fmt == "btt":
-        raise ValueError(f"a 'btt' {what} has no contraction to plan: its weight is formed by the marker op "
-                         f"({2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} FLOPs, one batched GEMM), "
-                         "then used as a dense weight")
+        raise ValueError(f"a 'btt' {what} is not a chain: plan a linear with plan_btt_linear; an embedding's "
+                         f"table is formed by the marker op ({2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} "
+                         "FLOPs, one batched GEMM), then looked up")
     s = _structure(spec)
     _check_alphabet(s)
     if s.n_cores < 2:
@@ -536,6 +540,56 @@ def plan_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs
     """
     return _plan_linear_cached(_plannable(spec, "layer"), size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs),
                                model)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
+    t0 = time.perf_counter()
+    (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
+    P, Q, e = spec.padded_rows, spec.padded_cols, dtype_bytes
+    blocks = _Costing(model, dtype_bytes, cudagraphs)
+    blocks.gemm("forward", "T = X·(R g), per j", n, c * r, b2, batch=b1)
+    blocks.copy("forward", "T: j-major to c-major", 2 * e * n * b1 * c * r)
+    blocks.gemm("forward", "Y = T·L, per c", n, a, b1 * r, batch=c)
+    blocks.copy("forward", "Y: c-major to tokens", 2 * e * n * Q)
+    blocks.copy("backward", "dY: tokens to c-major", 2 * e * n * Q)
+    blocks.gemm("backward", "dT = dY·Lᵀ, per c", n, b1 * r, a, batch=c)
+    blocks.gemm("backward", "dL = Tᵀ·dY, per c", b1 * r, a, n, batch=c)
+    blocks.copy("backward", "dT: c-major to j-major", 2 * e * n * b1 * c * r)
+    blocks.gemm("backward", "dX = dT·(R g)ᵀ, per j", n, b2, c * r, batch=b1)
+    blocks.gemm("backward", "d(R g) = Xᵀ·dT, per j", b2, c * r, n, batch=b1)
+    dense = _Costing(model, dtype_bytes, cudagraphs)
+    dense.gemm("merge", "W = (R g)·L, per block", b2, a, r, batch=b1 * c)
+    dense.copy("merge", "W: blocks to rows x cols", 2 * e * P * Q)
+    dense.gemm("forward", "Y = X·W", n, Q, P)
+    dense.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
+    dense.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
+    dense.gemm("merge_backward", "d(R g) = dW·Lᵀ, per block", b2, r, a, batch=b1 * c)
+    dense.gemm("merge_backward", "dL = (R g)ᵀ·dW, per block", r, a, b2, batch=b1 * c)
+    cands = {"blocks": blocks, "dense": dense}
+    best = min(cands, key=lambda k: cands[k].total)
+    order = tuple(sorted(((k, v.total) for k, v in cands.items()), key=lambda kv: kv[1]))
+    return TTPlan(kind="linear", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
+                  split=1, left=0, right=1, steps=tuple(cands[best].steps), candidates=order, einsum_flops=0,
+                  plan_time_s=time.perf_counter() - t0)
+
+
+def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
+                    model: DeviceModel = H200) -> TTPlan:
+    """Plan ``x @ M`` (forward and backward) for the block tensor-train layer ``spec`` (``fmt="btt"``) at
+    ``n_tokens`` tokens. Two candidates:
+
+    * ``"blocks"``: the tokens contracted through the cores, two batched GEMMs forward
+      (``T = X·(R g)`` over the ``b1`` row blocks, ``Y = T·L`` over the ``c`` column blocks), four
+      backward, ``2 * n * r * (P * c + Q * b1)`` FLOPs forward, plus the copies that regroup ``T`` and
+      ``Y`` between the two batch layouts; the weight is never formed;
+    * ``"dense"``: the weight formed (one batched GEMM over the blocks), then ``nn.Linear``'s GEMMs.
+
+    ``P x Q`` is the padded matrix. The cheaper estimate wins (:meth:`TTPlan.describe` lists both)."""
+    if spec.fmt != "btt":
+        raise ValueError(f"plan_btt_linear plans a 'btt' layer; got fmt={spec.fmt!r} (use plan_linear)")
+    padded = TTSpec("btt", spec.row_modes, spec.col_modes, spec.ranks, spec.padded_rows, spec.padded_cols, False)
+    return _plan_btt_cached(padded, size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs), model)
 
 
 def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
@@ -607,4 +661,5 @@ def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[in
 def clear_plan_cache() -> None:
     _plan_linear_cached.cache_clear()
     _plan_embedding_cached.cache_clear()
+    _plan_btt_cached.cache_clear()
     _bracket_cached.cache_clear()

@@ -184,12 +184,13 @@ def test_random_init_variance(row_modes, col_modes, rank, std):
     assert abs(sum(first) / len(first)) < 0.1 * std
 
 
-def test_planner_declines_btt():
-    """A BTT's weight is formed by the marker op and used dense: the planner says so."""
+def test_chain_planner_declines_btt():
+    """A BTT is no chain: plan_linear points to plan_btt_linear, and an embedding's table is formed by the
+    marker op (the planner says what that costs)."""
     from comera_compile.tt.planner import plan_embedding, plan_linear
 
     spec = TTSpec("btt", (4, 3), (3, 5), (1, 2, 1), 11, 14, True)
-    with pytest.raises(ValueError, match="'btt' layer has no contraction to plan.*720 FLOPs"):
+    with pytest.raises(ValueError, match="'btt' layer is not a chain: plan a linear with plan_btt_linear.*720 FLOPs"):
         plan_linear(spec, 64)
     with pytest.raises(ValueError, match="'btt' embedding"):
         plan_embedding(spec.with_ranks((1, 1, 1)), 64)
