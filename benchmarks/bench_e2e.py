@@ -15,7 +15,8 @@ Models:
   TT-matrix at the rank that gives the same parameter count (embeddings as in ``tt``).
 * ``lm-d1024``, ``lm-d2048``, ``lm-d4096`` (``--model width``: the width sweep): Llama-style LMs of those
   widths (8, 8 and 4 layers; heads of 128; FFN 8/3 d rounded up to 256; vocabulary 32000), 8 x 1024
-  tokens; ``ttm`` / ``tt``: the blocks' Linears at rank 32, the head and the embedding dense. Each row
+  tokens; ``ttm`` / ``tt``: the blocks' Linears at rank 32, ``btt``: as block tensor-trains (blocks near
+  the square root) at rank 1 (Monarch), ``btt-r4`` at rank 4; the head and the embedding dense. Each row
   also reports the step's floor at the H200's peak rates (``step_floor``) and the time over it.
 * ``llama``: a Llama-style causal LM from a ``transformers`` config (d 1024, 8 layers, 16 heads,
   FFN 4096, vocab 128256), 8 x 1024 tokens, the user's shifted cross-entropy outside the HF model but
@@ -24,7 +25,8 @@ Models:
 Variants (``--variants``, comma-separated): ``dense-eager``, ``dense-inductor``, ``dense-inductor-cg``
 (inductor + CUDA graphs, ``mode="reduce-overhead"``), ``dense-comera`` (the cce pass on a dense model),
 ``tt`` (``backend="comera"`` as it comes: CUDA graphs on for the TT graph), ``tt-nocg`` (CUDA graphs
-off), ``tt-fp32``, ``ttm``, ``ttm-nocg``. bf16 autocast unless the name says fp32. Tags ``-cg`` /
+off), ``tt-fp32``, ``ttm``, ``ttm-nocg``, ``btt`` (width sweep; a tag ``-rN`` sets the rank, e.g.
+``btt-r4``). bf16 autocast unless the name says fp32. Tags ``-cg`` /
 ``-nocg`` force CUDA graphs on / off, ``-cpp`` / ``-combo`` add Inductor's ``cpp_wrapper`` /
 ``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``), ``-cce`` fuses the head's loss
 whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``).
@@ -62,7 +64,7 @@ import comera_compile as cc  # noqa: E402
 # about 8/3 d (a multiple of 256); (layers, heads) per width, so that each fits one H200 with AdamW.
 WIDTHS = {1024: (8, 8), 2048: (8, 16), 4096: (4, 32)}
 WIDTH_MODELS = [f"lm-d{d}" for d in WIDTHS]
-WIDTH_VARIANTS = ["dense-inductor", "dense-inductor-cg", "ttm", "tt"]
+WIDTH_VARIANTS = ["dense-inductor", "dense-inductor-cg", "ttm", "tt", "btt", "btt-r4"]
 ALL = {
     "encoder": ["dense-eager", "dense-inductor", "dense-inductor-cg", "tt", "tt-nocg", "tt-fp32", "ttm", "ttm-nocg"],
     "llama": ["dense-inductor", "dense-inductor-cg", "dense-comera", "tt", "tt-nocg"],
@@ -186,7 +188,7 @@ def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def tensorize(model: nn.Module, model_name: str, fmt: str) -> None:
+def tensorize(model: nn.Module, model_name: str, fmt: str, rank: int | None = None) -> None:
     if model_name == "encoder":
         rank = 30 if fmt == "tt" else _iso_rank(model)
         if fmt == "tt":  # CoMERA's split: "tt" Linears, TT-matrix embeddings
@@ -197,7 +199,8 @@ def tensorize(model: nn.Module, model_name: str, fmt: str) -> None:
                                   "_default": cc.TTConfig(rank=rank, fmt="ttm")})
         return
     if model_name in WIDTH_MODELS:  # the blocks only: the head and the embedding stay dense
-        cc.tensorize_(model, cc.TTConfig(rank=32, fmt=fmt), filter_fn=lambda module, fqn: ".layers." in fqn)
+        rank = rank or (1 if fmt == "btt" else 32)
+        cc.tensorize_(model, cc.TTConfig(rank=rank, fmt=fmt), filter_fn=lambda module, fqn: ".layers." in fqn)
         return
     cc.tensorize_(model, {"re:.*embed_tokens": cc.TTConfig(rank=32, fmt="ttm"), "_default": cc.TTConfig(rank=32, fmt="tt")})
 
@@ -208,13 +211,15 @@ def step_floor(model: nn.Module, n_tokens: int, seq: int) -> dict:
     ``12 x tokens x seq x d`` per layer) and bytes (each parameter read in the forward and the backward,
     its gradient written, AdamW's fp32 update reading and writing the parameter and two moments:
     ~10 fp32 accesses). The larger of the two times is the floor."""
-    from comera_compile.tt.planner import plan_linear
+    from comera_compile.tt.planner import plan_btt_linear, plan_linear
 
     flops, tt_flops = 0, 0
     tt_layers = {lay.fqn: lay for lay in cc.iter_tt_layers(model)}
     for fqn, module in model.named_modules():
         if fqn in tt_layers:
-            tt_flops += plan_linear(tt_layers[fqn].param.spec, n_tokens).flops
+            spec = tt_layers[fqn].param.spec
+            plan = (plan_btt_linear if spec.fmt == "btt" else plan_linear)(spec, n_tokens)
+            tt_flops += plan.flops
         elif isinstance(module, nn.Linear):
             flops += 6 * n_tokens * module.in_features * module.out_features
     cfg = getattr(getattr(model, "model", None), "config", None)
@@ -282,12 +287,13 @@ def run_variant(model_name: str, variant: str, args) -> dict:
     torch.manual_seed(0)
     model, make = build(model_name, args.smoke)
     dense_params = _count(model)
-    fmt = "ttm" if variant.startswith("ttm") else "tt"
+    fmt = next(f for f in ("ttm", "btt", "tt") if variant.startswith(f) or f == "tt")
+    tags = set(variant.split("-"))
+    ranks = [int(t[1:]) for t in tags if t[:1] == "r" and t[1:].isdigit()]
     if not variant.startswith("dense"):
-        tensorize(model, model_name, fmt)
+        tensorize(model, model_name, fmt, ranks[0] if ranks else None)
     model = model.to(device)
     params = _count(model)
-    tags = set(variant.split("-"))
     fp32, cg, nocg = "fp32" in tags, "cg" in tags, "nocg" in tags
     inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo")) if tag in tags}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -488,11 +494,13 @@ def main(argv=None) -> list[dict]:
     jobs = [(v.split(":")[0], v.split(":")[1]) if ":" in v else (m, v) for m, v in jobs]  # "llama:tt"
     jobs = [j for j in dict.fromkeys(jobs) if j[0] in models]
     for _, v in jobs:
-        base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "tt") if v.startswith(b)), None)
+        base = next((b for b in ("dense-eager", "dense-inductor", "dense-comera", "ttm", "btt", "tt") if v.startswith(b)),
+                    None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
-        if base is None or tags - {"cg", "nocg", "fp32", "cpp", "combo", "cce"}:
-            ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt or ttm, "
-                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce")
+        ranks = {t for t in tags if t[:1] == "r" and t[1:].isdigit() and int(t[1:]) > 0}
+        if base is None or tags - ranks - {"cg", "nocg", "fp32", "cpp", "combo", "cce"} or (ranks and base.startswith("dense")):
+            ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt, ttm or btt, "
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -rN (a rank; not for dense)")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:

@@ -124,6 +124,8 @@ CONFIGS: dict[str, Config] = {
                        ("--tensorize", "default", "--compress", "attn,mlp,tok,pos,head")),
     # fixed ranks
     "ttm-r16": Config("blocks ttm rank 16", ("--tensorize", "16") + TTM, lrs=HIGH_LRS),
+    "btt-pkg": Config("btt-iso through the package: TTConfig(fmt='btt') rank 1 under backend='comera' (the same "
+                      "blocks as the example's BTTLinear)", ("--tensorize", "1", "--fmt", "btt"), lrs=FACTORED_LRS),
     "ttm-r32": Config("blocks ttm rank 32", ("--tensorize", "32") + TTM, lrs=FACTORED_LRS),
     "ttm-r64": Config("blocks ttm rank 64", ("--tensorize", "64") + TTM, lrs=HIGH_LRS),
     "dense-d512": Config("dense at d 512 (a point between dense-iso and dense on the parameter axis)",
@@ -195,7 +197,7 @@ CONFIGS: dict[str, Config] = {
 # short study's two calls
 GROUPS = {
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
-             "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048"],
+             "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
