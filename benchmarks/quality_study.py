@@ -52,7 +52,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +182,8 @@ CONFIGS: dict[str, Config] = {
                                ("--compile-options",
                                 '{"cce_min_vocab": 0, "cce_backward": "filtered", "cce_strategy": "sparse"}')),
     # optimizer settings of the TT cores and gates (param_groups' defaults: gates at 10x lr, no core decay)
+    "ttm-r32-gate10x": Config("ttm-r32 with the gates at 10x the cores' lr (train_lm's default until the group seeds "
+                              "showed 1x better)", ("--tensorize", "32", "--gate-lr-scale", "10") + TTM),
     "ttm-r32-gate1x": Config("ttm-r32 with the gates at the cores' lr", ("--tensorize", "32", "--gate-lr-scale", "1")
                              + TTM),
     "ttm-r32-corewd": Config("ttm-r32 with weight decay 0.1 on the cores",
@@ -192,10 +194,18 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--warmup-steps", "{steps/10}") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
+# Second (and third) seeds of the best runs of "benchmark" and "next", at their best lr (the group "seeds").
+for _name in ("dense-d512", "ttm-r32", "ttm-r32-gate1x", "btt-iso", "ttm-r64"):
+    for _seed in ((1, 2) if _name == "ttm-r32-gate1x" else (1,)):
+        _base = CONFIGS[_name]
+        CONFIGS[f"{_name}-s{_seed}"] = replace(_base, doc=f"{_name}, seed {_seed} (seed noise)",
+                                                args=_base.args + ("--seed", str(_seed)))
 # benchmark: the quality benchmark's rows (with --lrs grid); next: its follow-ups (past the top of the sweeps
 # where the best was at the edge, other TT-matrix ranks, a third dense size); first, second: the earlier
 # short study's two calls
 GROUPS = {
+    "seeds": ["dense-s1@0.0006", "dense-d512-s1@0.0012", "ttm-r32-s1@0.0048", "ttm-r32-gate1x-s1@0.0048",
+              "ttm-r32-gate1x-s2@0.0048", "btt-iso-s1@0.0096", "ttm-r64-s1@0.0024"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",

@@ -94,7 +94,7 @@ def test_train_tensorized_comera(tmp_path):
 def test_optimizer_groups_find_the_flat_tt_parameters_by_identity():
     """Each layer's cores are one 1-D Parameter: the optimizer must find them by identity, not by shape
     (the shape rule would put them with the undecayed vectors). --core-weight-decay reaches them, the
-    gates get none and 10x the lr, matrices --weight-decay; every parameter once."""
+    gates get none and the cores' lr (--gate-lr-scale 1), matrices --weight-decay; every parameter once."""
     torch.manual_seed(0)
     model = train_lm.GPT(256, 32, 64, 1, 2)
     args = train_lm.parse_args(TINY + ["--d-model", "64", "--tensorize", "4", "--weight-decay", "0.05",
@@ -107,7 +107,7 @@ def test_optimizer_groups_find_the_flat_tt_parameters_by_identity():
     seen = {id(p): (g["weight_decay"], g["lr"]) for g in opt.param_groups for p in g["params"]}
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     for name, p in model.named_parameters():
-        want = (0.02, args.lr) if id(p) in cores else (0.0, 10 * args.lr) if id(p) in gates else (
+        want = (0.02, args.lr) if id(p) in cores else (0.0, args.lr) if id(p) in gates else (
             0.05 if p.dim() >= 2 else 0.0, args.lr)
         assert seen[id(p)] == pytest.approx(want), name
 

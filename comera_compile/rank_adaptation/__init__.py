@@ -23,13 +23,13 @@ the user's model, loss and training loop stay as they are:
   ``gamma_t * u * sign(g_{k,i}) * (c_k rho_{k-1} + c_{k+1} rho_{k+1}) / W_0``, on every bond that
   holds more than ``min_rank`` gates (a bond at its floor cannot be pruned further: it is not pushed).
 * **the gates' pace.** Under Adam a parameter moves by at most about its learning rate per step,
-  so the gates' learning rate bounds how soon any gate reaches the threshold. ``cc.param_groups``
-  trains them at 10x the model's lr; with ``gate_lr_scale="auto"`` (default) gates that share a
-  parameter group with other parameters (``torch.optim.AdamW(model.parameters())``) get the same:
-  the post-hook multiplies their step by 10 (``g <- g_before + 10 * (g - g_before)``, for SGD,
-  Adam(W), RMSprop, ... exactly the step at 10x their group's lr, weight decay included; the
-  optimizer's state is untouched). Gates in a group of their own keep their group's lr; a number
-  scales every gate's step by it.
+  so the gates' learning rate bounds how soon any gate reaches the threshold. With
+  ``gate_lr_scale="auto"`` (default) gates that would step at the cores' lr (in a group shared with
+  other parameters, ``torch.optim.AdamW(model.parameters())``, or in ``cc.param_groups``' own gate
+  group at its default lr, the cores') get 10x: the post-hook multiplies their step by 10
+  (``g <- g_before + 10 * (g - g_before)``, for SGD, Adam(W), RMSprop, ... exactly the step at 10x
+  their group's lr, weight decay included; the optimizer's state is untouched). Gates in a group of
+  their own faster than the cores' keep their group's lr; a number scales every gate's step by it.
 * **step post-hook** prunes every ``prune_every`` steps: per bond, gates with ``|g| < threshold``
   are removed, keeping at least ``min_rank`` (default 1: the largest), and the cores on both sides
   are sliced physically (each layer's flat core and gate Parameters re-laid out by one gather, same

@@ -70,6 +70,12 @@ def _config_of(target_compression: float | None, config: RankConfig | None, opti
     return dataclasses.replace(config, **options) if options else config
 
 
+def _lr(group: dict) -> float:
+    """A parameter group's learning rate as a float (a tensor lr read once, at setup)."""
+    lr = group.get("lr", 0.0)
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
 class RankAdaptation:
     """Rank-adaptive training of every tensor-train layer of ``model`` through ``optimizer``'s step.
 
@@ -159,9 +165,11 @@ class RankAdaptation:
             self._handles.append(self.model.register_forward_hook(self._capture_output))
 
     def _resolve_gate_scales(self) -> list[float]:
-        """Each layer's gate step multiplier (``gate_lr_scale``): ``"auto"`` gives 10 to gates that
-        share a parameter group with parameters that are not gates (a ``model.parameters()``
-        optimizer: the gates would train at the cores' lr), 1 to gates in groups of their own."""
+        """Each layer's gate step multiplier (``gate_lr_scale``): ``"auto"`` gives 10 to gates that would
+        otherwise step at the cores' lr (in a parameter group with parameters that are not gates, as a
+        ``model.parameters()`` optimizer has them, or in a group of their own whose lr is no higher than
+        the group of the layer's cores, as ``cc.param_groups`` makes by default), 1 to gates whose own
+        group is faster than the cores'."""
         gate_ids = {id(lay.param.gate_flat) for lay in self.layers}
         group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         scales = []
@@ -173,11 +181,13 @@ class RankAdaptation:
                 scales.append(float(self.gate_lr_scale))
             else:
                 shared = any(id(p) not in gate_ids for p in group["params"])
-                scales.append(_AUTO_GATE_LR_SCALE if shared else 1.0)
+                cores = group_of.get(id(lay.param.core_flat))
+                slow = cores is not None and _lr(group) <= _lr(cores)
+                scales.append(_AUTO_GATE_LR_SCALE if shared or slow else 1.0)
         if self.gate_lr_scale == "auto" and any(s != 1.0 for s in scales):
-            log.info("RankAdaptation: the rank gates share a parameter group with other parameters; their "
-                     "optimizer steps are scaled by %g (gate_lr_scale='auto'; cc.param_groups gives them a "
-                     "group of their own at 10x lr)", _AUTO_GATE_LR_SCALE)
+            log.info("RankAdaptation: the rank gates would step at the cores' lr; their optimizer steps are "
+                     "scaled by %g (gate_lr_scale='auto'; a gate group faster than the cores' keeps its own lr)",
+                     _AUTO_GATE_LR_SCALE)
         return scales
 
     def _warn_if_gates_are_slow(self, slow_steps: int = 500) -> None:
@@ -201,8 +211,8 @@ class RankAdaptation:
                     f"RankAdaptation: the rank gates train at {at}; an Adam-type optimizer moves a "
                     f"parameter by at most ~lr per step, so no gate can fall from {start:g} to the pruning "
                     f"threshold {self.threshold:g} in fewer than {steps:,.0f} steps. Give the gates a larger "
-                    "learning rate: torch.optim.AdamW(cc.param_groups(model, lr=...)) trains them at 10x lr, "
-                    "or raise RankAdaptation's gate_lr_scale.",
+                    "learning rate (cc.param_groups(model, lr=..., gate_lr=...)) or raise RankAdaptation's "
+                    "gate_lr_scale.",
                     stacklevel=3)
                 return
 

@@ -48,7 +48,8 @@ def param_groups(
     * ``"tt_cores"``: every TT layer's ``core_flat`` (all its cores); ``lr=core_lr`` (default ``lr``),
       ``core_weight_decay``;
     * ``"tt_gates"``: every TT layer's ``gate_flat`` (all its rank gates); ``lr=gate_lr`` (default
-      ``10 * lr``), ``gate_weight_decay``;
+      ``lr``: at a fixed rank, gates at 10x the cores' lr trained worse; rank adaptation speeds its gates
+      up itself, see below), ``gate_weight_decay``;
     * ``"decay"``: other parameters with 2 or more dimensions (matrices, embeddings); ``weight_decay``;
     * ``"no_decay"``: other parameters (biases, norm weights); no weight decay.
 
@@ -62,7 +63,13 @@ def param_groups(
     than its dense twin. In a GPT (d 768, 6 layers, TT-matrix rank 32 on the blocks, 31 M tokens, AdamW)
     the best of a sweep was 4.8e-3 for every group, 8x the dense model's 6e-4; at the dense model's
     ``lr`` the tensorized model lost to a dense model of its size. Sweep it rather than reuse the dense
-    value.
+    value. In the same benchmark, gates at the cores' lr (the default) ended at 2.646 / 2.613 / 2.583
+    validation loss over three seeds, against 2.778 / 2.835 over two with the gates at 10x; the dense
+    model of the same width (3.5x the parameters) ended at 2.786 / 2.802.
+
+    Rank adaptation (:class:`~comera_compile.RankAdaptation`, ``gate_lr_scale="auto"``) multiplies the
+    gates' steps by 10 when their lr is no higher than the cores' (this default), so a pruning run
+    keeps its fast gates; pass ``gate_lr`` to set them yourself.
     """
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("core_lr", core_lr), ("gate_lr", gate_lr),
                         ("core_weight_decay", core_weight_decay), ("gate_weight_decay", gate_weight_decay)):
@@ -78,7 +85,7 @@ def param_groups(
         buckets[_group_of(p, cores, gates)].append(p)
     settings = {
         "tt_cores": (lr if core_lr is None else core_lr, core_weight_decay),
-        "tt_gates": (10 * lr if gate_lr is None else gate_lr, gate_weight_decay),
+        "tt_gates": (lr if gate_lr is None else gate_lr, gate_weight_decay),
         "decay": (lr, weight_decay),
         "no_decay": (lr, 0.0),
     }

@@ -851,44 +851,48 @@ def test_defaults_prune_on_a_plain_optimizer_in_both_formats(fmt, groups):
 def test_gate_lr_scale_is_the_gates_lr_times_the_scale():
     """gate_lr_scale='auto' on a plain optimizer trains exactly as the same optimizer with the gates in
     a group of their own at 10x lr (weight decay, momentum and Adam's moments included); on
-    cc.param_groups it changes nothing; a number scales the gates' lr by it."""
-    def run(kind, layout, scale):
+    cc.param_groups' default (gates at the cores' lr) it does the same, as cc.param_groups with
+    gate_lr=10x and no scaling; gates already faster than the cores are left alone (bitwise); a number
+    scales the gates' lr by it."""
+    lr = 1e-2
+
+    def optimizer(kind, params):
+        return {"sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, weight_decay=0.1, nesterov=True),
+                "adam": lambda p: torch.optim.Adam(p, lr=lr, amsgrad=True),
+                "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1)}[kind](params)
+
+    def run(kind, layout, scale, ranker=True, gate_lr=None):
         net = make_net()
         gate_ids = {id(lay.param.gate_flat) for lay in cc.iter_tt_layers(net)}
         others = [p for p in net.parameters() if id(p) not in gate_ids]
         gates = [p for p in net.parameters() if id(p) in gate_ids]
-        lr = 1e-2
         if layout == "plain":
             params = net.parameters()
         elif layout == "own-group":  # the reference: nothing scaled, the gates at scale x lr
             params = [{"params": others}, {"params": gates, "lr": scale * lr}]
         else:
-            params = cc.param_groups(net, lr=lr, weight_decay=0.1, gate_weight_decay=0.1)
-        opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, weight_decay=0.1, nesterov=True),
-               "adam": lambda p: torch.optim.Adam(p, lr=lr, amsgrad=True),
-               "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1)}[kind](params)
-        if layout != "own-group":
-            ranker = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0,
-                                    gate_lr_scale="auto" if scale is None else scale)
-            assert ranker._gate_scales == [10.0 if scale is None and layout == "plain" else (scale or 1.0)] * 3
+            params = cc.param_groups(net, lr=lr, weight_decay=0.1, gate_weight_decay=0.1, gate_lr=gate_lr)
+        opt = optimizer(kind, params)
+        if ranker and layout != "own-group":
+            r = RankAdaptation(net, opt, target_compression=10, gamma=0.0, prune_every=0,
+                               gate_lr_scale="auto" if scale is None else scale)
+            slow = layout == "plain" or (layout == "groups" and gate_lr is None)
+            assert r._gate_scales == [10.0 if scale is None and slow else (scale or 1.0)] * 3
         run_steps(net, opt, range(6))
         return {n: p.detach().clone() for n, p in net.named_parameters()}
 
     for kind in ("sgd", "adam", "adamw"):
         for got, want in ((run(kind, "plain", None), run(kind, "own-group", 10.0)),
-                          (run(kind, "plain", 3.0), run(kind, "own-group", 3.0))):
+                          (run(kind, "plain", 3.0), run(kind, "own-group", 3.0)),
+                          (run(kind, "groups", None), run(kind, "groups", None, ranker=False, gate_lr=10 * lr))):
             for name in want:
-                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{kind} {name}")
-        # cc.param_groups: the gates have their own group, 'auto' leaves them alone (bitwise)
-        with_groups = run(kind, "groups", None)
-        net = make_net()
-        opt = {"sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
-               "adam": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
-               "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)}[kind](
-            cc.param_groups(net, lr=1e-2, weight_decay=0.1, gate_weight_decay=0.1))
-        run_steps(net, opt, range(6))
-        for name, p in net.named_parameters():
-            assert torch.equal(with_groups[name], p), (kind, name)
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, kind=kind, name=name: f"{kind} {name}: {m}")
+        # gates in their own group faster than the cores': 'auto' leaves them alone (bitwise)
+        faster = run(kind, "groups", None, gate_lr=10 * lr)
+        alone = run(kind, "groups", None, ranker=False, gate_lr=10 * lr)
+        for name, p in alone.items():
+            assert torch.equal(faster[name], p), (kind, name)
 
 
 def reference_switch_step(losses, decay, window, tol):
