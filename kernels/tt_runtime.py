@@ -42,6 +42,7 @@ import torch
 
 from comera_compile.tt.format import TTSpec, chain_modes, join_flat, split_flat
 from comera_compile.tt.planner import Bracket, Cut
+from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defines comera::btt_swap)
 
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
@@ -283,9 +284,11 @@ def _btt_apply(x: torch.Tensor, R: torch.Tensor, L: torch.Tensor, rows: int, col
     if rows < b1 * b2:  # the padding rows of M meet zero features
         xt = torch.nn.functional.pad(xt, (0, b1 * b2 - rows))
     n = xt.shape[0]
-    t = torch.bmm(xt.reshape(n, b1, b2).transpose(0, 1), R.reshape(b1, b2, c * r))  # [b1, n, c r]
-    t = t.reshape(b1, n, c, r).permute(2, 1, 0, 3).reshape(c, n, b1 * r)  # regrouped by column block
+    swap = torch.ops.comera.btt_swap  # [A, M, B, K] -> [B, M, A, K], a coalesced copy (kernels/btt_swap.py)
+    xb = swap(xt.reshape(n, 1, b1, b2)).reshape(b1, n, b2)  # block-major tokens
+    t = torch.bmm(xb, R.reshape(b1, b2, c * r))  # [b1, n, c r]
+    t = swap(t.reshape(b1, n, c, r)).reshape(c, n, b1 * r)  # regrouped by column block
     y = torch.bmm(t, L.permute(1, 2, 0, 3).reshape(c, b1 * r, a))  # [c, n, a]
-    y = y.transpose(0, 1).reshape(n, c * a)
+    y = swap(y.reshape(c, 1, n, a)).reshape(n, c * a)
     y = _crop(y, 1, cols).reshape(*lead, cols)
     return y if bias is None else y + bias

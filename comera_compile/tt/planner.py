@@ -548,6 +548,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
     P, Q, e = spec.padded_rows, spec.padded_cols, dtype_bytes
     blocks = _Costing(model, dtype_bytes, cudagraphs)
+    blocks.copy("forward", "X: tokens to j-major", 2 * e * n * P)
     blocks.gemm("forward", "T = X·(R g), per j", n, c * r, b2, batch=b1)
     blocks.copy("forward", "T: j-major to c-major", 2 * e * n * b1 * c * r)
     blocks.gemm("forward", "Y = T·L, per c", n, a, b1 * r, batch=c)
@@ -558,6 +559,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     blocks.copy("backward", "dT: c-major to j-major", 2 * e * n * b1 * c * r)
     blocks.gemm("backward", "dX = dT·(R g)ᵀ, per j", n, b2, c * r, batch=b1)
     blocks.gemm("backward", "d(R g) = Xᵀ·dT, per j", b2, c * r, n, batch=b1)
+    blocks.copy("backward", "dX: j-major to tokens", 2 * e * n * P)
     dense = _Costing(model, dtype_bytes, cudagraphs)
     dense.gemm("merge", "W = (R g)·L, per block", b2, a, r, batch=b1 * c)
     dense.copy("merge", "W: blocks to rows x cols", 2 * e * P * Q)
@@ -581,8 +583,9 @@ def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagr
 
     * ``"blocks"``: the tokens contracted through the cores, two batched GEMMs forward
       (``T = X·(R g)`` over the ``b1`` row blocks, ``Y = T·L`` over the ``c`` column blocks), four
-      backward, ``2 * n * r * (P * c + Q * b1)`` FLOPs forward, plus the copies that regroup ``T`` and
-      ``Y`` between the two batch layouts; the weight is never formed;
+      backward, ``2 * n * r * (P * c + Q * b1)`` FLOPs forward, plus the copies that regroup ``X``, ``T``
+      and ``Y`` (and their gradients) between token-major and block-major order (``comera::btt_swap``);
+      the weight is never formed;
     * ``"dense"``: the weight formed (one batched GEMM over the blocks), then ``nn.Linear``'s GEMMs.
 
     ``P x Q`` is the padded matrix. The cheaper estimate wins (:meth:`TTPlan.describe` lists both)."""

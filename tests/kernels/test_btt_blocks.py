@@ -136,3 +136,55 @@ def test_pass_contracts_the_tokens_through_a_wide_btt_layer_and_matches_eager():
     text = str(explain(compiled_model, x))
     assert "btt 2048->2048, blocks [32x64]|[32x64] at rank 4: blocks ~" in text and "other: dense ~" in text
     assert "left to its marker op" not in text and "still forms a dense weight" not in text
+
+
+# ------------------------------------------------------------------ comera::btt_swap (the regrouping copy)
+
+SWAP_SHAPES = [(5, 1, 7, 3), (3, 4, 2, 1), (70, 2, 9, 4), (9, 3, 66, 1), (4, 2, 5, 70), (1, 1, 1, 1), (6, 0, 2, 2)]
+
+
+@pytest.mark.parametrize("shape", SWAP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swap_kernel_matches_the_permute(shape, dtype):
+    """The Triton kernel (interpreter) against permute(2, 1, 0, 3): K below, at and above the tile's 64,
+    ragged tiles on every axis, an empty tensor; exact (a copy)."""
+    from comera_compile.kernels.btt_swap import swap_blocks
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    want = x.permute(2, 1, 0, 3).contiguous()
+    got = swap_blocks(x, impl="triton")
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(swap_blocks(got, impl="triton"), x)  # its own inverse
+
+
+def test_swap_op_backward_swaps_back_and_checks_its_input():
+    from comera_compile.kernels.btt_swap import swap_blocks
+
+    x = torch.randn(3, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(torch.ops.comera.btt_swap, (x,))
+    with pytest.raises(ValueError, match=r"expected a 4-D tensor \[A, M, B, K\], got shape \(3, 4\)"):
+        swap_blocks(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="impl='fast'; valid values"):
+        swap_blocks(x.detach(), impl="fast")
+
+
+def test_btt_linear_with_the_swap_kernel_matches_the_reference(monkeypatch):
+    """The whole blocks path with the Triton swap (interpreter, forced), forward and backward, fp32."""
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    rm, cm, r, rows, cols = (4, 3), (3, 5), 2, 11, 13
+    spec = TTSpec("btt", rm, cm, (1, r, 1), rows, cols, True)
+    gen = torch.Generator().manual_seed(3)
+    R = torch.randn(*spec.core_shapes[0], generator=gen, dtype=torch.float64, requires_grad=True)
+    L = torch.randn(*spec.core_shapes[1], generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.rand(r, generator=gen, dtype=torch.float64).requires_grad_()
+    x = torch.randn(6, rows, generator=gen, dtype=torch.float64, requires_grad=True)
+    want = x @ reference_m(R, g, L, spec)
+    dy = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [x, R, L, g], dy)
+    leaves = [t.detach().float().requires_grad_() for t in (x, R, L, g)]
+    core_flat, gate_flat = join_flat(leaves[1:3], [leaves[3]])
+    got = tt_runtime.btt_linear(leaves[0], core_flat, gate_flat, spec, True, None, torch.float32)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=2e-5, atol=2e-5)
+    for name, gg, wg in zip("xRLg", torch.autograd.grad(got, leaves, dy.float()), want_grads):
+        torch.testing.assert_close(gg.double(), wg, rtol=2e-5, atol=2e-5, msg=f"d{name}")
