@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.format import TTSpec, chain_modes, join_flat, split_flat
+from comera_compile.tt.format import TTSpec, chain_modes, join_flat, materialize, split_flat
 from comera_compile.tt.planner import Bracket, Cut
 from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defines comera::btt_swap)
 
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
-__all__ = ["OUTPUTS", "Output", "btt_linear", "chain_modes", "group_outputs", "layer_outputs", "layer_spec",
+__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "group_outputs", "layer_outputs", "layer_spec",
            "lookup", "project"]
 
 #: What :func:`group_outputs` returns per layer (see there).
@@ -292,3 +292,13 @@ def _btt_apply(x: torch.Tensor, R: torch.Tensor, L: torch.Tensor, rows: int, col
     y = swap(y.reshape(c, 1, n, a)).reshape(n, c * a)
     y = _crop(y, 1, cols).reshape(*lead, cols)
     return y if bias is None else y + bias
+
+
+def btt_weight(core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec, dtype: torch.dtype) -> torch.Tensor:
+    """The block tensor-train's weight exactly as ``comera::tt_materialize`` returns it (``M`` or, with
+    ``spec.transpose``, ``Mᵀ``), formed in ``dtype`` from plain torch ops (the planner's ``"dense"``
+    strategy): in a compiled graph Inductor fuses the block products and their backward with the rest,
+    where the marker op would run them opaquely, outside any CUDA graph."""
+    cores, gates = split_flat(core_flat, gate_flat, spec)
+    with _no_autocast(core_flat):
+        return materialize([c.to(dtype) for c in cores], [g.to(dtype) for g in gates], spec)

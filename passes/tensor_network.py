@@ -74,7 +74,7 @@ class _Site:
     x_times_m: bool = True  # y = x @ M (nn.Linear, Conv1D); False: y = x @ Mᵀ (a tied head)
     padding_idx: int | None = None
     plan: TTPlan | None = None
-    output: tt_runtime.Output | str | None = None  # or "blocks": a btt layer, rewritten on its own
+    output: tt_runtime.Output | str | None = None  # or "blocks" / "btt_dense": a btt layer, rewritten on its own
 
     @property
     def flats(self) -> tuple[fx.Node, fx.Node]:
@@ -93,14 +93,6 @@ def _spec(w: fx.Node) -> TTSpec:
         return TTSpec.from_materialize_node(w)
     except (TypeError, ValueError) as exc:
         raise Declined(f"{M.describe(w)} does not describe a TT layer: {exc}") from None
-
-
-def _is_btt(node: fx.Node) -> bool:
-    """A ``tt_materialize`` node of a 'btt' layer (whose weight is meant to be formed: see ``_check_shapes``)."""
-    try:
-        return TTSpec.from_materialize_node(node).fmt == "btt"
-    except (TypeError, ValueError):
-        return False
 
 
 def _is_tt(value: Any, materialize: set) -> bool:
@@ -147,10 +139,6 @@ def _understood(call: M.Bound, *names: str) -> None:
 def _check_shapes(site: _Site) -> None:
     spec = site.spec
     rows, cols = spec.rows, spec.cols
-    if spec.fmt == "btt" and site.kind == "tt_embedding":
-        raise Declined(f"a 'btt' embedding is left to its marker op: forming its table costs "
-                       f"{2 * spec.ranks[1] * spec.padded_rows * spec.padded_cols:,} FLOPs (one batched GEMM), "
-                       "then a dense lookup, which Inductor compiles as it stands")
     if spec.n_cores < 2:
         raise Declined("a single core is its own dense matrix: nothing to contract")
     fx_, fw = fake(site.x), fake(site.w)
@@ -192,6 +180,9 @@ def _plan(site: _Site, ctx: PassContext) -> None:
     out = fake(site.node)
     nbytes = out.element_size()
     cudagraphs = ctx.options.cudagraphs if ctx.options.cudagraphs is not None else out.is_cuda  # auto: on
+    if site.spec.fmt == "btt" and site.kind == "tt_embedding":
+        site.output = "btt_dense"  # the table formed in the graph (one batched GEMM), then the lookup
+        return
     if site.kind == "tt_embedding":
         n = size_hint(fake(site.x).numel())
         site.plan = plan_embedding(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
@@ -203,11 +194,7 @@ def _plan(site: _Site, ctx: PassContext) -> None:
         n *= size_hint(s)
     if site.spec.fmt == "btt":
         site.plan = plan_btt_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
-        if site.plan.strategy == "dense":
-            raise Declined(f"a 'btt' layer is left to its marker op at {n} tokens: forming its weight "
-                           f"({2 * site.spec.ranks[1] * site.spec.padded_rows * site.spec.padded_cols:,} FLOPs, one "
-                           f"batched GEMM), then a dense GEMM, is estimated cheaper; {site.plan.summary()}")
-        site.output = "blocks"
+        site.output = "blocks" if site.plan.strategy == "blocks" else "btt_dense"
         return
     site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
     if site.plan.strategy == "factored":
@@ -347,22 +334,41 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
 
 
 def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
-    """A btt linear site as :func:`~comera_compile.kernels.tt_runtime.btt_linear`, read straight from the
-    layer's flat cores and gates where the site is (its weight is never formed)."""
+    """A btt site, read straight from the layer's flat cores and gates where the site is: ``"blocks"``:
+    :func:`~comera_compile.kernels.tt_runtime.btt_linear` (the weight is never formed); ``"btt_dense"``:
+    the same call with the weight from :func:`~comera_compile.kernels.tt_runtime.btt_weight`, in the
+    site's dtype (plain ops Inductor compiles, in place of the opaque marker op)."""
     _refresh(site, materialize)
     node = site.node
     dtype = fake(node).dtype
     core_flat, gate_flat = site.flats
     with graph.inserting_before(node):
-        new = graph.call_function(tt_runtime.btt_linear, (site.x, core_flat, gate_flat, site.spec, site.x_times_m,
-                                                          site.bias, dtype))
+        if site.output == "blocks":
+            new = graph.call_function(tt_runtime.btt_linear, (site.x, core_flat, gate_flat, site.spec, site.x_times_m,
+                                                              site.bias, dtype))
+        else:
+            weight_dtype = dtype if site.kind == "tt_linear" else fake(site.w).dtype
+            w = graph.call_function(tt_runtime.btt_weight, (core_flat, gate_flat, site.spec, weight_dtype))
+            swap = {site.w: w}
+            if site.kind == "tt_linear":
+                swap[site.x] = _cast(graph, site.x, dtype)
+                if site.bias is not None:
+                    swap[site.bias] = _cast(graph, site.bias, dtype)
+            new = graph.node_copy(node, lambda n: swap.get(n, n))
+            new.meta.pop("example_value", None)
+            new.meta.pop("val", None)
     checked_replace(node, new, erase=[site.w])
 
 
 def _detail_btt(site: _Site) -> str:
     s = site.spec
+    if site.kind == "tt_embedding":
+        return (f"btt {s.rows}x{s.cols}, blocks {s.describe()} at rank {s.ranks[1]}: the table formed in the graph "
+                f"({2 * s.ranks[1] * s.padded_rows * s.padded_cols:,} FLOPs, one batched GEMM), then the lookup")
     shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
-    return f"btt {shape}, blocks {s.describe()} at rank {s.ranks[1]}: {site.plan.summary()}\n{site.plan.describe()}"
+    how = "" if site.output == "blocks" else " (the weight formed in the graph, then a dense GEMM)"
+    return (f"btt {shape}, blocks {s.describe()} at rank {s.ranks[1]}: {site.plan.summary()}{how}\n"
+            f"{site.plan.describe()}")
 
 
 def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, order: dict[fx.Node, int],
@@ -423,7 +429,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     count = 0
-    for site in [s for s in sites if s.output == "blocks"]:
+    btt = ("blocks", "btt_dense")
+    for site in [s for s in sites if s.output in btt]:
         where = module_name(site.node)
         try:
             _rewrite_btt(graph, site, materialize)
@@ -432,7 +439,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         ctx.rewrite(site.kind, where, _detail_btt(site))
         count += 1
-    sites = [s for s in sites if s.output != "blocks"]
+    sites = [s for s in sites if s.output not in btt]
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
@@ -465,8 +472,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     for g in groups:
         erase_unused([n for items in g.parts for n in items] + [g.call])
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in materialize and not _is_btt(node):
-            users = ", ".join(u.name for u in node.users)  # (a btt layer's reason is given at its site)
+        if node.op == "call_function" and node.target in materialize:
+            users = ", ".join(u.name for u in node.users)
             ctx.skip(NAME, f"tt_materialize still forms a dense weight for: {users}", module_name(node))
     return count
 

@@ -187,8 +187,8 @@ def _step(model, fn, idx, target):
 @pytest.mark.parametrize("backend", ["comera", "inductor"])
 def test_compiled_training_step_matches_eager(backend):
     """fullgraph=True (no graph break); at 15 tokens and these small blocks, forming the weight is
-    estimated cheaper than contracting the tokens, so the tensor-network pass leaves the BTT layers to
-    the marker op and says why (with both estimates) in explain."""
+    estimated cheaper than contracting the tokens, so the tensor-network pass forms it in the graph
+    (plain ops, in place of the opaque marker op) and says why (with both estimates) in explain."""
     torch._dynamo.reset()
     eager = _btt_tiny(seed=0)
     compiled_model = copy.deepcopy(eager)
@@ -201,6 +201,6 @@ def test_compiled_training_step_matches_eager(backend):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     if backend == "comera":
         text = str(explain(compiled_model, idx))
-        assert "'btt' layer is left to its marker op" in text and "other: blocks ~" in text
-        assert "'btt' embedding is left to its marker op" in text
-        assert "still forms a dense weight" not in text  # one reason per btt layer, not a second, generic one
+        assert "(the weight formed in the graph, then a dense GEMM)" in text and "other: blocks ~" in text
+        assert "the table formed in the graph" in text
+        assert "still forms a dense weight" not in text and "marker op" not in text
