@@ -40,3 +40,37 @@ def test_width_models_and_the_step_floor():
     assert len(fqns) == layers * 7 and all(".layers." in f for f in fqns)
     tt = bench.step_floor(model, n, seq)
     assert 0 < tt["floor_tt_flops"] and tt["floor_flops"] - tt["floor_tt_flops"] == want - 6 * n * layers * per_layer
+
+
+def test_btt_variants_tensorize_at_their_rank_and_floor_from_the_btt_planner():
+    """``btt`` is rank 1 (Monarch), ``btt-rN`` rank N; the floor counts each btt layer's chosen plan."""
+    import comera_compile as cc
+    from comera_compile.tt.planner import plan_btt_linear
+
+    torch.manual_seed(0)
+    model, make = bench.build("lm-d1024", smoke=True)
+    (ids,) = make("cpu", torch.Generator().manual_seed(0))
+    bench.tensorize(model, "lm-d1024", "btt", 4)
+    layers = list(cc.iter_tt_layers(model))
+    assert layers and {lay.spec.fmt for lay in layers} == {"btt"} and {lay.spec.ranks for lay in layers} == {(1, 4, 1)}
+    floor = bench.step_floor(model, ids.numel(), ids.shape[-1])
+    assert floor["floor_tt_flops"] == sum(plan_btt_linear(lay.spec, ids.numel()).flops for lay in layers)
+
+
+def test_plot_width_draws_the_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot_width", ROOT / "benchmarks" / "plot_width.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    rows = [{"model": f"lm-d{d}", "variant": v, "step_ms": t * d / 1024, "floor_ms": 1.0, "device": "test",
+             "torch": "x"} for d in (1024, 2048) for v, t in (("dense-inductor-cg", 10.0), ("btt", 7.0))]
+    src = tmp_path / "w.json"
+    src.write_text(json.dumps(rows))
+    out = tmp_path / "p.png"
+    plot.main([str(src), "--out", str(out)])
+    assert out.stat().st_size > 1000
+    src.write_text(json.dumps([{"model": "encoder", "variant": "tt"}]))
+    with pytest.raises(SystemExit, match="no width-sweep rows"):
+        plot.main([str(src), "--out", str(out)])
