@@ -182,6 +182,14 @@ CONFIGS: dict[str, Config] = {
                                ("--compile-options",
                                 '{"cce_min_vocab": 0, "cce_backward": "filtered", "cce_strategy": "sparse"}')),
     # optimizer settings of the TT cores and gates (param_groups' defaults: gates at 10x lr, no core decay)
+    "ttm-c2-iso": Config("ttm with 2 cores per layer (gates at the cores' lr), ranks matched to ttm-r32's block "
+                         "parameters", ("--tensorize", "32", "--tt-cores", "2") + TTM,
+                         match={"attn": "ttm-r32", "mlp": "ttm-r32"}),
+    "ttm-c4-iso": Config("ttm with 4 cores per layer (gates at the cores' lr), ranks matched to ttm-r32's block "
+                         "parameters", ("--tensorize", "32", "--tt-cores", "4") + TTM,
+                         match={"attn": "ttm-r32", "mlp": "ttm-r32"}),
+    "btt-pkg-g1": Config("btt-pkg with the gate at the cores' lr and the cores' weight decay at the example's 0.1",
+                         ("--tensorize", "1", "--fmt", "btt", "--gate-lr-scale", "1", "--core-weight-decay", "0.1")),
     "ttm-r32-gate10x": Config("ttm-r32 with the gates at 10x the cores' lr (train_lm's default until the group seeds "
                               "showed 1x better)", ("--tensorize", "32", "--gate-lr-scale", "10") + TTM),
     "ttm-r32-gate1x": Config("ttm-r32 with the gates at the cores' lr", ("--tensorize", "32", "--gate-lr-scale", "1")
@@ -195,8 +203,11 @@ CONFIGS: dict[str, Config] = {
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
 # Second (and third) seeds of the best runs of "benchmark" and "next", at their best lr (the group "seeds").
-for _name in ("dense-d512", "ttm-r32", "ttm-r32-gate1x", "btt-iso", "ttm-r64"):
-    for _seed in ((1, 2) if _name == "ttm-r32-gate1x" else (1,)):
+CONFIGS["ttm-r64-gate1x"] = Config("ttm-r64 with the gates at the cores' lr",
+                                   ("--tensorize", "64", "--gate-lr-scale", "1") + TTM)
+for _name in ("dense-d512", "ttm-r32", "ttm-r32-gate1x", "btt-iso", "ttm-r64", "ttm-c2-iso", "ttm-c4-iso",
+              "btt-pkg-g1", "ttm-r64-gate1x", "dense"):
+    for _seed in ((1, 2) if _name in ("ttm-r32-gate1x", "btt-iso", "dense") else (1,)):
         _base = CONFIGS[_name]
         CONFIGS[f"{_name}-s{_seed}"] = replace(_base, doc=f"{_name}, seed {_seed} (seed noise)",
                                                 args=_base.args + ("--seed", str(_seed)))
@@ -206,6 +217,11 @@ for _name in ("dense-d512", "ttm-r32", "ttm-r32-gate1x", "btt-iso", "ttm-r64"):
 GROUPS = {
     "seeds": ["dense-s1@0.0006", "dense-d512-s1@0.0012", "ttm-r32-s1@0.0048", "ttm-r32-gate1x-s1@0.0048",
               "ttm-r32-gate1x-s2@0.0048", "btt-iso-s1@0.0096", "ttm-r64-s1@0.0024"],
+    # next2: after the gates' lr default moved to 1x: its lr neighbours, other core counts at equal
+    # parameters, btt through the package with the example's decay, and ttm-r64 with 1x gates
+    "next2": ["ttm-r32-gate1x@0.0024", "ttm-r32-gate1x@0.0096", "ttm-c2-iso@0.0048", "ttm-c4-iso@0.0048",
+              "ttm-c2-iso-s1@0.0048", "ttm-c4-iso-s1@0.0048", "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096",
+              "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024", "btt-iso-s2@0.0096", "dense-s2@0.0006"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",

@@ -476,6 +476,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fmt", type=per_kind(_fmt, "FMT"), default=None, metavar="FMT",
                    help="TTConfig.fmt: auto (default), tt, ttm or btt (the package's block tensor-train; --btt is "
                         "the example's plain-torch one); or per kind: attn=tt,mlp=ttm,emb=ttm")
+    g.add_argument("--tt-cores", type=per_kind(int, "N"), default=None, metavar="N",
+                   help="TTConfig.n_cores: cores per tensorized layer (default: tensorize_'s, 3 at d 768); or per "
+                        "kind: attn=2,mlp=4")
     g.add_argument("--tt-init", choices=["random", "balanced", "svd"], default="random",
                    help="TTConfig.init: random (CoMERA's), balanced (every core at the same std), svd (TT-SVD of "
                         "the current weights; with --init-from: of a trained dense model)")
@@ -570,8 +573,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if missing:
             p.error(f"--tensorize gives no rank for the compressed kinds {missing} "
                     f"(--compress {','.join(args.compress)})")
-    elif args.tt_init != "random" or args.fmt or args.tt_init_std:
-        p.error("--fmt, --tt-init and --tt-init-std need --tensorize RANK")
+    elif args.tt_init != "random" or args.fmt or args.tt_init_std or args.tt_cores:
+        p.error("--fmt, --tt-cores, --tt-init and --tt-init-std need --tensorize RANK")
     if args.backend == "eager" and (args.compile_options or args.dynamic or args.cuda_graphs):
         p.error("--compile-options, --dynamic and --cuda-graphs apply to torch.compile; "
                 "--backend eager does not compile")
@@ -628,6 +631,8 @@ def tt_configs(model: nn.Module, args: argparse.Namespace) -> dict:
             kind = "tok" if "tok" in kinds else "head"
         options = dict(fmt=for_kind(args.fmt, kind) or "auto", init=args.tt_init,
                        init_std=for_kind(args.tt_init_std, kind))
+        if for_kind(args.tt_cores, kind) is not None:
+            options["n_cores"] = for_kind(args.tt_cores, kind)
         rank = for_kind(args.tensorize, kind)
         configs[fqn] = cc.TTConfig(**options) if rank == "default" else cc.TTConfig(rank=rank, **options)
     return configs

@@ -622,3 +622,20 @@ def test_the_packages_btt_and_the_examples_agree():
         mine.L.copy_(L.permute(1, 2, 0, 3).reshape(mine.L.shape))
         want = a.blocks[0].mlp.fc.weight
     torch.testing.assert_close(mine.dense_weight(), want)
+
+
+def test_tt_cores_sets_each_kinds_core_count():
+    """--tt-cores N (or per kind) reaches TTConfig.n_cores; it needs --tensorize."""
+    def mlp_cores(*flags):
+        torch.manual_seed(0)
+        model = train_lm.GPT(256, 32, 64, 1, 2)
+        train_lm.compress(model, train_lm.parse_args(TINY + ["--d-model", "64", "--tensorize", "4", "--fmt", "ttm",
+                                                             *flags]))
+        return {lay.spec.n_cores for lay in train_lm.cc.iter_tt_layers(model) if train_lm.layer_kind(lay.fqn) == "mlp"}
+
+    default = mlp_cores()
+    assert len(default) == 1
+    assert mlp_cores("--tt-cores", "3") == {3} and mlp_cores("--tt-cores", "mlp=4") == {4}
+    assert mlp_cores("--tt-cores", "attn=3") == default  # another kind's count leaves mlp alone
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(TINY + ["--tt-cores", "2"])
