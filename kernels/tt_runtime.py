@@ -47,7 +47,7 @@ from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defin
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
-__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "group_outputs", "layer_outputs", "layer_spec",
+__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "ttm_contract", "group_outputs", "layer_outputs", "layer_spec",
            "lookup", "project"]
 
 #: What :func:`group_outputs` returns per layer (see there).
@@ -302,3 +302,41 @@ def btt_weight(core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec, d
     cores, gates = split_flat(core_flat, gate_flat, spec)
     with _no_autocast(core_flat):
         return materialize([c.to(dtype) for c in cores], [g.to(dtype) for g in gates], spec)
+
+
+def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tensor, spec: TTSpec, x_times_m: bool,
+                 bias: torch.Tensor | None, dtype: torch.dtype, equation: str, path: Sequence) -> torch.Tensor:
+    """``x @ M + bias`` (``x_times_m``; ``x @ Mᵀ + bias`` otherwise) for the TT-matrix layer ``spec`` with
+    the tokens contracted through its cores in ``path``'s pairwise order (the planner's ``"contract"``
+    strategy, :func:`~comera_compile.tt.planner.contraction_path`): the weight is never formed. For
+    ``x @ Mᵀ`` the chain is read with each core's row and column modes exchanged, ``equation`` and
+    ``path`` being those of that transposed chain. In ``dtype``, autocast off inside."""
+    import opt_einsum as oe
+
+    cores, gates = split_flat(core_flat, gate_flat, spec)
+    rows, cols = spec.rows, spec.cols
+    row_modes = spec.row_modes
+    if not x_times_m:
+        cores = [c.permute(0, 2, 1, 3) for c in cores]
+        rows, cols, row_modes = cols, rows, spec.col_modes
+    d = len(cores)
+    with _no_autocast(x):
+        folded = []
+        for k, core in enumerate(cores):
+            if k < d - 1:
+                core = core * gates[k].to(core.dtype)
+            core = core.to(dtype)
+            if k == 0:
+                core = core[0]
+            if k == d - 1:
+                core = core[..., 0]
+            folded.append(core)
+        lead = x.shape[:-1]
+        xt = x.to(dtype).reshape(-1, x.shape[-1])
+        padded = math.prod(row_modes)
+        if rows < padded:
+            xt = torch.nn.functional.pad(xt, (0, padded - rows))
+        y = oe.contract(equation, xt.reshape(xt.shape[0], *row_modes), *folded, optimize=[tuple(p) for p in path],
+                        backend="torch")
+        y = _crop(y.reshape(xt.shape[0], -1), 1, cols).reshape(*lead, cols)
+        return y if bias is None else y + bias.to(dtype)

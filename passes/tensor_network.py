@@ -54,7 +54,8 @@ from comera_compile.fx_utils import (
 from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (defines the op)
 from comera_compile.kernels import tt_runtime
 from comera_compile.tt.format import TTSpec
-from comera_compile.tt.planner import TTPlan, plan_btt_linear, plan_embedding, plan_linear
+from comera_compile.tt.format import TTSpec as _Spec
+from comera_compile.tt.planner import TTPlan, contraction_path, plan_btt_linear, plan_embedding, plan_linear
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext
@@ -197,6 +198,9 @@ def _plan(site: _Site, ctx: PassContext) -> None:
         site.output = "blocks" if site.plan.strategy == "blocks" else "btt_dense"
         return
     site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
+    if site.plan.strategy == "contract":
+        site.output = "contract"
+        return
     if site.plan.strategy == "factored":
         site.output = "factors" if site.x_times_m else "factors_t"
     else:
@@ -343,7 +347,13 @@ def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
     dtype = fake(node).dtype
     core_flat, gate_flat = site.flats
     with graph.inserting_before(node):
-        if site.output == "blocks":
+        if site.output == "contract":
+            s = site.spec
+            chain = s if site.x_times_m else _Spec(s.fmt, s.col_modes, s.row_modes, s.ranks, s.cols, s.rows)
+            equation, path = contraction_path(chain, site.plan.n_tokens)
+            new = graph.call_function(tt_runtime.ttm_contract, (site.x, core_flat, gate_flat, s, site.x_times_m,
+                                                                site.bias, dtype, equation, path))
+        elif site.output == "blocks":
             new = graph.call_function(tt_runtime.btt_linear, (site.x, core_flat, gate_flat, site.spec, site.x_times_m,
                                                               site.bias, dtype))
         else:
@@ -362,6 +372,10 @@ def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
 
 def _detail_btt(site: _Site) -> str:
     s = site.spec
+    if site.output == "contract":
+        shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
+        return (f"{s.fmt} {shape}, {s.n_cores} cores: {site.plan.summary()} (the tokens contracted through the "
+                f"cores; the weight never formed)\n{site.plan.describe()}")
     if site.kind == "tt_embedding":
         return (f"btt {s.rows}x{s.cols}, blocks {s.describe()} at rank {s.ranks[1]}: the table formed in the graph "
                 f"({2 * s.ranks[1] * s.padded_rows * s.padded_cols:,} FLOPs, one batched GEMM), then the lookup")
@@ -429,7 +443,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     count = 0
-    btt = ("blocks", "btt_dense")
+    btt = ("blocks", "btt_dense", "contract")  # rewritten on their own, not grouped
     for site in [s for s in sites if s.output in btt]:
         where = module_name(site.node)
         try:

@@ -15,9 +15,13 @@ For one call site (a token count, a dtype) the planner decides:
      gradients are token-independent. Memory-bound: it moves the activations a few times.
    * linear ``"dense"``: the weight ``L·R`` (permuted for ``"ttm"``), then one GEMM forward and two
      backward, exactly like ``nn.Linear``, plus the weight's merge and its gradient's way back into the
-     halves. It bounds every layer near its dense time, and it is the only token-sized path for
-     ``"ttm"`` (whose halves form no low-rank product: cutting a TT-matrix leaves token-sized
-     intermediates ``r`` times larger than the activations).
+     halves. It bounds every layer near its dense time.
+   * linear ``"contract"`` (``"ttm"``, whose halves form no low-rank product): the tokens contracted
+     through the cores pairwise in opt_einsum's ``dp`` order (:func:`contraction_path`), the weight
+     never formed. Its intermediates are token-sized and up to ``r`` times larger than the
+     activations, so it wins only where forming the weight dominates (a wide layer at few tokens); at
+     rank 32 and thousands of tokens it costs as many FLOPs as the dense GEMM or more.
+   * linear ``"blocks"`` / ``"dense"`` for ``"btt"`` (:func:`plan_btt_linear`).
    * embedding ``"tables"``: the halves as gathered tables ``A[I_L, O_L, r]`` and ``B[I_R, O_R, r]``
      (about the square root of the vocabulary each), one ``[O_L, r] x [r, O_R]`` product per lookup;
      no vocabulary-sized tensor ever exists. ``"dense"``: the table ``[rows, cols]``, then a plain
@@ -63,6 +67,7 @@ __all__ = [
     "TTPlan",
     "bracket_cores",
     "clear_plan_cache",
+    "contraction_path",
     "cut_at",
     "dense_split",
     "plan_btt_linear",
@@ -79,7 +84,7 @@ __all__ = [
 Bracket = Union[int, tuple["Bracket", "Bracket"]]
 #: The token-sized path of a plan: ``"factored"`` / ``"dense"`` for a linear, ``"tables"`` / ``"dense"``
 #: for an embedding, ``"blocks"`` / ``"dense"`` for a block tensor-train linear (:func:`plan_btt_linear`).
-Strategy = Literal["factored", "dense", "tables", "blocks"]
+Strategy = Literal["factored", "dense", "tables", "blocks", "contract"]
 PlanKind = Literal["linear", "embedding"]
 Phase = Literal["merge", "forward", "backward", "merge_backward"]
 
@@ -371,6 +376,8 @@ class TTPlan:
                 f"{' [forms the dense weight]' if self.forms_dense_weight else ''}")
         if self.fmt == "btt":
             halves = "  cores R [b1, b2, c, r] and L [r, c, b1, a]; the gate folded into R"
+        elif self.strategy == "contract":
+            halves = "  the tokens contracted through the cores pairwise in opt_einsum's order (gates folded in)"
         else:
             halves = f"  halves: cores 1-{self.split} merged as {_show(self.left)}, {self.split + 1}-{len(self.ranks) - 1} " \
                      f"as {_show(self.right)} (token-independent, batched over the layer's group)"
@@ -511,7 +518,55 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     c.gemm("backward", "dX = dY·Wᵀ", n, P, Q)
     c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
     cands["dense"] = (c, b)
+    if spec.interleaved:  # a TT-matrix: the tokens contracted through the cores, the weight never formed
+        cands["contract"] = (_contract_costing(model, dtype_bytes, cudagraphs, spec, n), spec.natural_split)
     return _choose("linear", spec, n, dtype_bytes, cudagraphs, cands, t0, einsum_flops=_einsum_flops(spec, n))
+
+
+def _gemm_dims(step: str, sizes: dict[str, int]) -> tuple[int, int, int, int]:
+    """``(m, n, k, batch)`` of one pairwise einsum ``"ab,bc->ac"``: k the contracted indices, batch the
+    indices of both operands kept in the output, m / n the rest of each operand."""
+    (a, b), out = step.split("->")[0].split(","), step.split("->")[1]
+    prod = lambda chars: math.prod(sizes[ch] for ch in chars)  # noqa: E731
+    shared = set(a) & set(b)
+    batch = "".join(ch for ch in shared if ch in out)
+    k = "".join(ch for ch in shared if ch not in out)
+    return prod(set(a) - shared), prod(set(b) - shared), prod(k), prod(batch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _contraction_cached(spec: TTSpec, n: int) -> tuple[str, tuple, tuple[str, ...]]:
+    g = _network(spec, n)
+    sizes = _edge_sizes(g)
+    leaves = ["x"] + [f"G{k + 1}" for k in range(spec.n_cores)]
+    idx = [g.nodes[v]["indices"] for v in leaves]
+    eq = ",".join(idx) + "->" + g.nodes["y"]["indices"]
+    path, info = oe.contract_path(eq, *[tuple(sizes[ch] for ch in i) for i in idx], shapes=True, optimize="dp")
+    return eq, tuple(tuple(p) for p in path), tuple(step[2] for step in info.contraction_list)
+
+
+def contraction_path(spec: TTSpec, n_tokens: Any) -> tuple[str, tuple]:
+    """``(equation, path)``: the einsum of ``x [n, i1..id]`` with the cores (boundary ranks squeezed)
+    giving ``y [n, o1..od]``, and opt_einsum's (``dp``) pairwise order for ``n_tokens`` tokens: the
+    ``"contract"`` strategy of a TT-matrix linear (executed by ``tt_runtime.ttm_contract``)."""
+    eq, path, _ = _contraction_cached(_structure(spec), size_hint(n_tokens))
+    return eq, path
+
+
+def _contract_costing(model: DeviceModel, dtype_bytes: int, cudagraphs: bool, spec: TTSpec, n: int) -> _Costing:
+    """The ``"contract"`` candidate: each pairwise product of the path as a GEMM forward and two
+    backward, each output regrouped (a copy) forward and its gradient backward."""
+    c = _Costing(model, dtype_bytes, cudagraphs)
+    _, _, steps = _contraction_cached(spec, n)
+    sizes = _edge_sizes(_network(spec, n))
+    for step in steps:
+        m, nn_, k, batch = _gemm_dims(step, sizes)
+        c.gemm("forward", f"contract {step}", m, nn_, k, batch)
+        c.copy("forward", "regroup", 2 * dtype_bytes * batch * m * nn_)
+        c.copy("backward", "regroup", 2 * dtype_bytes * batch * m * nn_)
+        c.gemm("backward", f"d(left) of {step}", m, k, nn_, batch)
+        c.gemm("backward", f"d(right) of {step}", k, nn_, m, batch)
+    return c
 
 
 def _plannable(spec: TTSpec, what: str) -> TTSpec:

@@ -42,7 +42,8 @@ def test_comera_path_four_token_gemms_backward():
 def test_ttm_is_dense_and_tables_for_embeddings():
     plan = plan_tt_linear(*TTM_4096, 8192)
     assert plan.strategy == "dense" and plan.forms_dense_weight
-    assert [n for n, _ in plan.candidates] == ["dense"]  # a TT-matrix has no low-rank bottleneck
+    # a TT-matrix has no low-rank bottleneck: its other candidate contracts the tokens through the cores
+    assert [n for n, _ in plan.candidates] == ["dense", "contract"]
     emb = plan_tt_embedding("ttm", (16, 20, 10, 10), (4, 4, 8, 6), (1, 32, 32, 32, 1), 8192)
     assert emb.strategy == "tables" and emb.split == 2 and emb.table_shapes == ((320, 16, 32), (100, 48, 32))
     assert "tables" in emb.describe()
