@@ -320,14 +320,7 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
     dtype = fake(node).dtype
     with graph.inserting_before(node):
         if site.output in ("dense", "dense_t"):  # the same call, with the group's weight in the site's dtype
-            swap = {site.w: parts[0]}
-            if site.kind == "tt_linear":
-                swap[site.x] = _cast(graph, site.x, dtype)
-                if site.bias is not None:
-                    swap[site.bias] = _cast(graph, site.bias, dtype)
-            new = graph.node_copy(node, lambda n: swap.get(n, n))
-            new.meta.pop("example_value", None)
-            new.meta.pop("val", None)
+            new = _with_weight(graph, site, parts[0], dtype)
         elif site.output == "tables":
             new = graph.call_function(tt_runtime.lookup, (site.x, parts[0], parts[1], site.spec.rows,
                                                           site.spec.cols, site.padding_idx))
@@ -359,15 +352,22 @@ def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
         else:
             weight_dtype = dtype if site.kind == "tt_linear" else fake(site.w).dtype
             w = graph.call_function(tt_runtime.btt_weight, (core_flat, gate_flat, site.spec, weight_dtype))
-            swap = {site.w: w}
-            if site.kind == "tt_linear":
-                swap[site.x] = _cast(graph, site.x, dtype)
-                if site.bias is not None:
-                    swap[site.bias] = _cast(graph, site.bias, dtype)
-            new = graph.node_copy(node, lambda n: swap.get(n, n))
-            new.meta.pop("example_value", None)
-            new.meta.pop("val", None)
+            new = _with_weight(graph, site, w, dtype)
     checked_replace(node, new, erase=[site.w])
+
+
+def _with_weight(graph: fx.Graph, site: _Site, weight: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """The site's own call (linear / addmm / matmul / embedding) with ``weight`` in place of the marker
+    op's, a linear's input and bias cast to the site's compute ``dtype`` (autocast's casts, explicit)."""
+    swap = {site.w: weight}
+    if site.kind == "tt_linear":
+        swap[site.x] = _cast(graph, site.x, dtype)
+        if site.bias is not None:
+            swap[site.bias] = _cast(graph, site.bias, dtype)
+    new = graph.node_copy(site.node, lambda n: swap.get(n, n))
+    new.meta.pop("example_value", None)
+    new.meta.pop("val", None)
+    return new
 
 
 def _detail_btt(site: _Site) -> str:
