@@ -13,6 +13,8 @@ compile time is that step minus a steady step (the fastest of three that follow)
 * ``dense-inductor``: ``torch.compile(model)``, the reference;
 * ``dense-comera``: ``backend="comera"`` on the dense model (the cce pass looks at its heads);
 * ``tt-comera``: the model tensorized as bench_e2e.py's ``tt`` variant, ``backend="comera"``;
+* ``tt-comera-opaque`` (not in the default list): the same with ``options={"tt_merges": "opaque"}`` (the
+  layer groups' merges as one custom op each, which Inductor does not compile);
 * ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-inductor")
+VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-inductor")
 DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
 # Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
 PHASES = {
@@ -199,7 +201,8 @@ def run_one(args) -> dict:
     else:
         import comera_compile  # noqa: F401  (registers the backend in a source checkout)
 
-        fn = torch.compile(model, backend="comera")
+        options = {"tt_merges": "opaque"} if args.variant.endswith("opaque") else None
+        fn = torch.compile(model, backend="comera", options=options)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(2)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

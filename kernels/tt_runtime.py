@@ -47,7 +47,8 @@ from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defin
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
-__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "ttm_contract", "group_outputs", "layer_outputs", "layer_spec",
+__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "ttm_contract", "group_outputs",
+           "group_outputs_opaque", "layer_outputs", "layer_spec",
            "lookup", "project"]
 
 #: What :func:`group_outputs` returns per layer (see there).
@@ -340,3 +341,84 @@ def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tens
                         backend="torch")
         y = _crop(y.reshape(xt.shape[0], -1), 1, cols).reshape(*lead, cols)
         return y if bias is None else y + bias.to(dtype)
+
+
+# ------------------------------------------------------------------ the merges as one opaque op per group
+
+
+def _merge_meta(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: torch.dtype) -> str:
+    """Everything :func:`group_outputs` takes besides the tensors, as one string (an op argument)."""
+    import json
+
+    return json.dumps([spec.fmt, list(spec.row_modes), list(spec.col_modes), list(spec.ranks), spec.rows, spec.cols,
+                       spec.transpose, [plan.split, plan.left, plan.right], output, str(dtype).rpartition(".")[2]])
+
+
+def _read_meta(meta: str) -> tuple[TTSpec, Cut, str, torch.dtype]:
+    import json
+
+    fmt, rm, cm, ranks, rows, cols, transpose, (split, left, right), output, dtype = json.loads(meta)
+
+    def bracket(b):
+        return b if isinstance(b, int) else tuple(bracket(x) for x in b)
+
+    return (TTSpec(fmt, rm, cm, ranks, rows, cols, transpose), Cut(split, bracket(left), bracket(right)), output,
+            getattr(torch, dtype))
+
+
+@torch.library.custom_op("comera::tt_group_merge", mutates_args=())
+def _tt_group_merge(core_flats: list[torch.Tensor], gate_flats: list[torch.Tensor], meta: str) -> list[torch.Tensor]:
+    spec, cut, output, dtype = _read_meta(meta)
+    return [t.clone() for t in group_outputs(core_flats, gate_flats, spec, cut, output, dtype)]
+
+
+@_tt_group_merge.register_fake
+def _(core_flats, gate_flats, meta):
+    spec, cut, output, dtype = _read_meta(meta)
+    return [t.clone() for t in group_outputs(core_flats, gate_flats, spec, cut, output, dtype)]
+
+
+@torch.library.custom_op("comera::tt_group_merge_backward", mutates_args=())
+def _tt_group_merge_backward(core_flats: list[torch.Tensor], gate_flats: list[torch.Tensor],
+                             grads: list[torch.Tensor], meta: str) -> list[torch.Tensor]:
+    """The gradients of ``comera::tt_group_merge`` (core flats, then gate flats): its merges recomputed
+    with autograd on (an op's body runs below autograd: the guard puts the autograd keys back)."""
+    spec, cut, output, dtype = _read_meta(meta)
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in list(core_flats) + list(gate_flats)]
+        outs = group_outputs(leaves[:len(core_flats)], leaves[len(core_flats):], spec, cut, output, dtype)
+        got = torch.autograd.grad(outs, leaves, list(grads), allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g.clone() for t, g in zip(leaves, got)]
+
+
+@_tt_group_merge_backward.register_fake
+def _(core_flats, gate_flats, grads, meta):
+    return [torch.empty_like(t) for t in list(core_flats) + list(gate_flats)]
+
+
+def _merge_setup(ctx, inputs, output) -> None:
+    core_flats, gate_flats, meta = inputs
+    ctx.meta, ctx.n = meta, len(core_flats)
+    ctx.save_for_backward(*core_flats, *gate_flats)
+
+
+def _merge_backward(ctx, grads):
+    saved = ctx.saved_tensors
+    out = torch.ops.comera.tt_group_merge_backward(list(saved[:ctx.n]), list(saved[ctx.n:]), list(grads), ctx.meta)
+    return out[:ctx.n], out[ctx.n:], None
+
+
+_tt_group_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
+
+
+def group_outputs_opaque(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
+                         plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`group_outputs` as one opaque op forward (``comera::tt_group_merge``) and one backward
+    (``comera::tt_group_merge_backward``, which recomputes the merges): the backend's
+    ``tt_merges="opaque"``, where Inductor generates no kernels for the merges. Same values."""
+    if output not in OUTPUTS:
+        raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
+    return tuple(torch.ops.comera.tt_group_merge(list(core_flats), list(gate_flats),
+                                                 _merge_meta(spec, plan, output, dtype)))

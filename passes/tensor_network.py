@@ -251,13 +251,14 @@ def _with_fake(node: fx.Node) -> fx.Node:
     return node
 
 
-def _emit_group(graph: fx.Graph, g: _Group) -> None:
+def _emit_group(graph: fx.Graph, g: _Group, opaque: bool = False) -> None:
     site = g.sites[0]
     core_flats = [w.args[0] for w in g.members]
     gate_flats = [w.args[1] for w in g.members]
     dtype = fake(site.node).dtype
+    merge = tt_runtime.group_outputs_opaque if opaque else tt_runtime.group_outputs
     with graph.inserting_before(g.anchor):
-        call = graph.call_function(tt_runtime.group_outputs, (
+        call = graph.call_function(merge, (
             core_flats, gate_flats, site.spec, site.plan.cut, site.output, dtype))
         g.call = _with_fake(call)
         per = 2 if site.output in ("factors", "factors_t", "tables") else 1
@@ -421,6 +422,8 @@ def _detail(site: _Site, group: _Group) -> str:
         f"{rows}->{cols}" if site.x_times_m else f"{cols}->{rows} (x @ Mᵀ)")
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
+    if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:
+        share += " (the merges one opaque op: tt_merges='opaque')"
     return f"{fmt} {shape}, {site.spec.n_cores} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
 
 
@@ -457,8 +460,9 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
+    opaque = ctx.options.tt_merges == "opaque"
     for g in groups:
-        _emit_group(graph, g)
+        _emit_group(graph, g, opaque)
     order = {n: i for i, n in enumerate(graph.nodes)}  # inserting nodes keeps the others' order
     home = {id(site): g for g in groups for site in g.sites}
     done: set[int] = set()

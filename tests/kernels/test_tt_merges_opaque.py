@@ -1,0 +1,94 @@
+"""``options={"tt_merges": "opaque"}``: the token-independent merges of each layer group as one custom op
+forward and one backward. A compiled training step against eager (loss and every gradient) for TT
+(factored), TT-matrix (dense weight) and a TT-matrix embedding (tables), with explain saying so; the ops'
+registrations (torch.library.opcheck: schema, fake, autograd); the bad value."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile import explain
+from comera_compile.kernels import tt_runtime
+from comera_compile.options import OptionsError
+from comera_compile.tt import TTSpec, planner
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(120, 32)
+        self.q = nn.Linear(32, 32)
+        self.k = nn.Linear(32, 32)
+        self.fc = nn.Linear(32, 48)
+        self.out = nn.Linear(48, 5)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + torch.tanh(self.q(h)) * self.k(h)
+        return self.out(F.gelu(self.fc(h)))
+
+
+@pytest.mark.parametrize("fmt", ["tt", "ttm"])
+def test_opaque_merges_train_like_eager(fmt):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Net()
+    cc.tensorize_(eager, {"emb": cc.TTConfig(fmt="ttm", rank=4, min_size=0),
+                          "_default": cc.TTConfig(fmt=fmt, rank=4, min_size=0)},
+                  filter_fn=lambda mod, fqn: fqn != "out")
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(compiled_model, backend="comera", fullgraph=True,
+                         options={"inner": "aot_eager", "tt_merges": "opaque"})
+    idx, target = torch.randint(0, 120, (3, 7)), torch.randint(0, 5, (3, 7))
+
+    def run(model, fn):
+        model.zero_grad()
+        loss = F.cross_entropy(fn(idx).flatten(0, 1), target.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    for _ in range(2):  # the second step reuses the compiled graph
+        want_loss, want = run(eager, eager)
+        got_loss, got = run(compiled_model, step)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    text = str(explain(step, idx))  # the compiled model's options are reused
+    assert "tt_merges='opaque'" in text
+
+
+@pytest.mark.parametrize("spec, output", [
+    (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, True), "dense_t"),
+    (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True), "factors"),
+    (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, False), "tables"),
+], ids=["ttm-dense", "tt-factors", "ttm-tables"])
+def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output):
+    """Two layers in one group; values exact, gradients to float64 rounding, against group_outputs."""
+    gen = torch.Generator().manual_seed(0)
+    n_core = sum(torch.Size(s).numel() for s in spec.core_shapes)
+    flats = [torch.randn(n_core, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
+             for _ in range(2)]
+    plan = planner.plan_embedding(spec, 16) if output == "tables" else planner.plan_linear(spec, 16)
+    meta = tt_runtime._merge_meta(spec, plan, output, torch.float64)
+    torch.library.opcheck(torch.ops.comera.tt_group_merge, (flats, gates, meta))
+    got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, output, torch.float64)
+    want = tt_runtime.group_outputs(flats, gates, spec, plan, output, torch.float64)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    weights = [torch.randn_like(t) for t in want]
+    for a, b in zip(torch.autograd.grad(got, flats + gates, weights), torch.autograd.grad(want, flats + gates, weights)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_bad_tt_merges_value_names_the_choices():
+    with pytest.raises(OptionsError, match=r"option 'tt_merges' got 'fast'; valid values: \['inductor', 'opaque'\]"):
+        cc.CompileOptions(tt_merges="fast")
