@@ -108,3 +108,72 @@ def test_gpt_bf16_autocast_cce_on_gpu():
     for k in rg:
         err = (g[k].float() - rg[k].float()).norm() / rg[k].float().norm().clamp_min(1e-12)
         assert err < 5e-2, (k, float(err))
+
+
+# ---------------------------------------------------------------- the btt and TT-matrix token paths (bf16)
+
+
+@pytest.mark.parametrize("shape", [(8192, 1, 64, 64), (64, 4096, 64, 1), (64, 2048, 128, 4), (86, 1, 4096, 128),
+                                   (3, 5, 7, 70)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_btt_swap_kernel_is_the_permute_on_gpu(shape, dtype):
+    from comera_compile.kernels.btt_swap import swap_blocks
+
+    x = torch.randn(*shape, device="cuda").to(dtype)
+    got = swap_blocks(x, impl="triton")
+    assert torch.equal(got, x.permute(2, 1, 0, 3).contiguous())
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("x_times_m", [True, False])
+def test_btt_blocks_bf16_against_float64_on_gpu(x_times_m):
+    """Both cores and the gate through the blocks path (with the swap kernel) in bf16, against the
+    float64 product with the weight formed block by block."""
+    from comera_compile.kernels import tt_runtime
+    from comera_compile.tt import TTSpec, join_flat, materialize
+
+    spec = TTSpec("btt", (64, 64), (64, 64), (1, 2, 1), 4096, 4096, True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    R, L = (torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64) * 0.1 for s in spec.core_shapes)
+    g = torch.rand(2, device="cuda", generator=gen, dtype=torch.float64) + 0.5
+    leaves = [t.clone().requires_grad_() for t in (R, L, g)]
+    x = torch.randn(2048, 4096, device="cuda", generator=gen, dtype=torch.float64, requires_grad=True)
+    m = materialize(leaves[:2], leaves[2:], TTSpec("btt", (64, 64), (64, 64), (1, 2, 1), 4096, 4096, False))
+    want = x @ (m if x_times_m else m.t())
+    dy = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [x] + leaves, dy)
+    lf = [t.detach().float().requires_grad_() for t in (R, L, g)]
+    xb = x.detach().bfloat16().requires_grad_()
+    cf, gf = join_flat(lf[:2], lf[2:])
+    got = tt_runtime.btt_linear(xb, cf, gf, spec, x_times_m, None, torch.bfloat16)
+    assert _rel(got, want.detach()) < 2e-2
+    for gg, wg in zip(torch.autograd.grad(got, [xb] + lf, dy.bfloat16()), want_grads):
+        assert _rel(gg, wg) < 3e-2
+
+
+def test_ttm_contract_bf16_against_float64_on_gpu():
+    from comera_compile.kernels import tt_runtime
+    from comera_compile.tt import TTSpec, join_flat, materialize
+    from comera_compile.tt.planner import contraction_path
+
+    spec = TTSpec("ttm", (16, 16, 16), (16, 16, 16), (1, 32, 32, 1), 4096, 4096, True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    cores = [torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64) * 0.2 for s in spec.core_shapes]
+    gates = [torch.ones(32, device="cuda", dtype=torch.float64) for _ in range(2)]
+    leaves = [t.clone().requires_grad_() for t in cores + gates]
+    x = torch.randn(16, 4096, device="cuda", generator=gen, dtype=torch.float64, requires_grad=True)
+    m = materialize(leaves[:3], leaves[3:], TTSpec("ttm", (16, 16, 16), (16, 16, 16), (1, 32, 32, 1), 4096, 4096))
+    want = x @ m
+    dy = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, [x] + leaves, dy)
+    lf = [t.detach().float().requires_grad_() for t in cores + gates]
+    xb = x.detach().bfloat16().requires_grad_()
+    cf, gf = join_flat(lf[:3], lf[3:])
+    eq, path = contraction_path(spec, 16)
+    got = tt_runtime.ttm_contract(xb, cf, gf, spec, True, None, torch.bfloat16, eq, path)
+    assert _rel(got, want.detach()) < 2e-2
+    for gg, wg in zip(torch.autograd.grad(got, [xb] + lf, dy.bfloat16()), want_grads):
+        assert _rel(gg, wg) < 3e-2
