@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
 __all__ = ["btt_swap", "swap_blocks"]
+logger = logging.getLogger("comera_compile")
+_BROKEN: list[str] = []  # why the kernel could not run here (then the permute serves every later call)
 
 if HAS_TRITON:
     import triton
@@ -67,11 +71,20 @@ def _swap_triton(x: torch.Tensor) -> torch.Tensor:
 
 def swap_blocks(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """``x [A, M, B, K] -> [B, M, A, K]``, contiguous: the Triton kernel (``impl="auto"`` on CUDA,
-    ``"triton"``) or ``permute(2, 1, 0, 3).contiguous()`` (``"torch"``, and ``"auto"`` on the CPU)."""
+    ``"triton"``) or ``permute(2, 1, 0, 3).contiguous()`` (``"torch"``, and ``"auto"`` on the CPU). Under
+    ``"auto"``, a kernel that fails to build or launch is reported once (a warning on the
+    ``comera_compile`` logger) and the permute serves from then on; ``"triton"`` raises."""
     if x.dim() != 4:
         raise ValueError(f"btt_swap: expected a 4-D tensor [A, M, B, K], got shape {tuple(x.shape)}")
-    if use_triton(x, impl, op="btt_swap"):
-        return _swap_triton(x.contiguous())
+    if use_triton(x, impl, op="btt_swap") and (impl == "triton" or not _BROKEN):
+        if impl == "triton":
+            return _swap_triton(x.contiguous())
+        try:
+            return _swap_triton(x.contiguous())
+        except Exception as exc:  # a Triton build that cannot compile the kernel: stay correct, say so once
+            _BROKEN.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("btt_swap: the Triton kernel failed (%s); using permute().contiguous() from now on "
+                           "(correct, slower)", _BROKEN[0].splitlines()[0][:300])
     return x.permute(2, 1, 0, 3).contiguous()
 
 

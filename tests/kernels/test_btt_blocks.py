@@ -155,3 +155,26 @@ def test_btt_linear_with_the_swap_kernel_matches_the_reference(monkeypatch):
     torch.testing.assert_close(got.double(), want.detach(), rtol=2e-5, atol=2e-5)
     for name, gg, wg in zip("xRLg", torch.autograd.grad(got, leaves, dy.float()), want_grads):
         torch.testing.assert_close(gg.double(), wg, rtol=2e-5, atol=2e-5, msg=f"d{name}")
+
+
+def test_swap_falls_back_to_the_permute_once_the_kernel_fails(monkeypatch, caplog):
+    """impl='auto': a kernel that cannot run is reported once and the permute serves (same values);
+    impl='triton' raises."""
+    from comera_compile.kernels import btt_swap as mod
+
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    monkeypatch.setattr(mod, "_BROKEN", [])
+
+    def broken(x):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(mod, "_swap_triton", broken)
+    x = torch.randn(3, 2, 4, 5)
+    with caplog.at_level("WARNING", logger="comera_compile"):
+        a = mod.swap_blocks(x)
+        b = mod.swap_blocks(x)
+    assert torch.equal(a, x.permute(2, 1, 0, 3).contiguous()) and torch.equal(b, a)
+    assert sum("btt_swap: the Triton kernel failed (RuntimeError: no kernel here)" in r.message
+               for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="no kernel here"):
+        mod.swap_blocks(x, impl="triton")
