@@ -22,7 +22,10 @@ for the traced token count, and the site is rewritten into calls of
 * the token-sized work is ``linear(project(x, F1), F2, bias)`` (the low-rank ``"factored"`` path: the
   second factor stays a plain ``linear``, so a TT LM head is then fused with its loss by the ``cce``
   pass, over the rank-sized activations), the original ``linear``/``embedding``/``addmm`` with the
-  group's dense weight (``"dense"``), or a gathered-table ``lookup`` (``"tables"``).
+  group's dense weight (``"dense"``), or a gathered-table ``lookup`` (``"tables"``);
+* sites with nothing to share (:data:`ALONE`) read their flat cores where they are: a TT-matrix whose
+  plan contracts the tokens through its cores (``"contract"``), and every block tensor-train, as its
+  two batched block GEMMs (``"blocks"``) or with its weight formed in the graph (``"btt_dense"``).
 
 Every argument of a matched node is checked; anything else is left alone with its reason in
 ``explain``. The rewritten graph never forms a weight the plan does not call for.
@@ -54,7 +57,6 @@ from comera_compile.fx_utils import (
 from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (defines the op)
 from comera_compile.kernels import tt_runtime
 from comera_compile.tt.format import TTSpec
-from comera_compile.tt.format import TTSpec as _Spec
 from comera_compile.tt.planner import TTPlan, contraction_path, plan_btt_linear, plan_embedding, plan_linear
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
@@ -62,6 +64,9 @@ if TYPE_CHECKING:  # the pass manager runs the passes; they only name its contex
 
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
+# Sites whose token-sized work reads the flat cores directly (no token-independent merge to share), each
+# rewritten on its own: a TT-matrix contracted through its cores, a btt layer's blocks or its weight.
+ALONE = ("contract", "blocks", "btt_dense")
 
 
 @dataclasses.dataclass
@@ -75,7 +80,7 @@ class _Site:
     x_times_m: bool = True  # y = x @ M (nn.Linear, Conv1D); False: y = x @ Mᵀ (a tied head)
     padding_idx: int | None = None
     plan: TTPlan | None = None
-    output: tt_runtime.Output | str | None = None  # or "blocks" / "btt_dense": a btt layer, rewritten on its own
+    output: tt_runtime.Output | str | None = None  # or one of ALONE: a site rewritten on its own
 
     @property
     def flats(self) -> tuple[fx.Node, fx.Node]:
@@ -331,11 +336,12 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
     checked_replace(node, new, erase=[site.w])
 
 
-def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
-    """A btt site, read straight from the layer's flat cores and gates where the site is: ``"blocks"``:
-    :func:`~comera_compile.kernels.tt_runtime.btt_linear` (the weight is never formed); ``"btt_dense"``:
-    the same call with the weight from :func:`~comera_compile.kernels.tt_runtime.btt_weight`, in the
-    site's dtype (plain ops Inductor compiles, in place of the opaque marker op)."""
+def _rewrite_alone(graph: fx.Graph, site: _Site, materialize: set) -> None:
+    """A site of :data:`ALONE`, read straight from the layer's flat cores and gates where the site is:
+    ``"contract"``: :func:`~comera_compile.kernels.tt_runtime.ttm_contract`; ``"blocks"``:
+    :func:`~comera_compile.kernels.tt_runtime.btt_linear` (neither forms the weight); ``"btt_dense"``:
+    the site's own call with the weight from :func:`~comera_compile.kernels.tt_runtime.btt_weight`, in
+    the site's dtype (plain ops Inductor compiles, in place of the opaque marker op)."""
     _refresh(site, materialize)
     node = site.node
     dtype = fake(node).dtype
@@ -343,7 +349,7 @@ def _rewrite_btt(graph: fx.Graph, site: _Site, materialize: set) -> None:
     with graph.inserting_before(node):
         if site.output == "contract":
             s = site.spec
-            chain = s if site.x_times_m else _Spec(s.fmt, s.col_modes, s.row_modes, s.ranks, s.cols, s.rows)
+            chain = s if site.x_times_m else TTSpec(s.fmt, s.col_modes, s.row_modes, s.ranks, s.cols, s.rows)
             equation, path = contraction_path(chain, site.plan.n_tokens)
             new = graph.call_function(tt_runtime.ttm_contract, (site.x, core_flat, gate_flat, s, site.x_times_m,
                                                                 site.bias, dtype, equation, path))
@@ -371,7 +377,7 @@ def _with_weight(graph: fx.Graph, site: _Site, weight: fx.Node, dtype: torch.dty
     return new
 
 
-def _detail_btt(site: _Site) -> str:
+def _detail_alone(site: _Site) -> str:
     s = site.spec
     if site.output == "contract":
         shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
@@ -446,17 +452,16 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     count = 0
-    btt = ("blocks", "btt_dense", "contract")  # rewritten on their own, not grouped
-    for site in [s for s in sites if s.output in btt]:
+    for site in [s for s in sites if s.output in ALONE]:
         where = module_name(site.node)
         try:
-            _rewrite_btt(graph, site, materialize)
+            _rewrite_alone(graph, site, materialize)
         except RewriteRejected as exc:
             ctx.skip(site.kind, str(exc), where)
             continue
-        ctx.rewrite(site.kind, where, _detail_btt(site))
+        ctx.rewrite(site.kind, where, _detail_alone(site))
         count += 1
-    sites = [s for s in sites if s.output not in btt]
+    sites = [s for s in sites if s.output not in ALONE]
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
