@@ -4,7 +4,7 @@
 #      the dense and TT-matrix rows of the same run; the six-encoder and 128k-head LM with and without
 #      tt_merges="opaque";
 #   2. compile time on the GPU (bench_compile --size full), with tt_merges="opaque";
-#   3. the quality study's group next2 (12 runs side by side).
+#   3. the quality study's group next2 (14 runs side by side).
 #   bash benchmarks/gpu_followups.sh [OUT_DIR]
 set -u
 out=${1:-gpu_followups}
@@ -21,6 +21,6 @@ timeout 540 python3 benchmarks/bench_e2e.py --model all --variants dense-inducto
 timeout 600 python3 benchmarks/bench_compile.py --size full --device cuda --variants dense-inductor,tt-comera,tt-comera-opaque \
   --no-warm --json "$out/compile.json" > "$out/compile.log" 2>&1 || echo "compile: rc $?"
 timeout 900 python3 benchmarks/quality_study.py --out-dir "$out/study" --configs next2 --steps 1900 --batch-size 32 \
-  --eval-every 190 --extra=--cuda-graphs --concurrency 12 --deadline-s 840 > "$out/study.log" 2>&1 || echo "study: rc $?"
+  --eval-every 190 --extra=--cuda-graphs --concurrency 14 --deadline-s 840 > "$out/study.log" 2>&1 || echo "study: rc $?"
 rm -f "$out"/study/*.pt
 touch "$out/ALL_DONE"

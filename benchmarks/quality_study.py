@@ -188,6 +188,9 @@ CONFIGS: dict[str, Config] = {
     "ttm-c4-iso": Config("ttm with 4 cores per layer (gates at the cores' lr), ranks matched to ttm-r32's block "
                          "parameters", ("--tensorize", "32", "--tt-cores", "4") + TTM,
                          match={"attn": "ttm-r32", "mlp": "ttm-r32"}),
+    "ttm-r32-fanin": Config("ttm-r32 (gates at the cores' lr) with each core's step scaled by the layer's mean "
+                            "core fan-in over its own (--core-lr-rule fan-in)",
+                            ("--tensorize", "32", "--core-lr-rule", "fan-in") + TTM),
     "btt-pkg-g1": Config("btt-pkg with the gate at the cores' lr and the cores' weight decay at the example's 0.1",
                          ("--tensorize", "1", "--fmt", "btt", "--gate-lr-scale", "1", "--core-weight-decay", "0.1")),
     "ttm-r32-gate10x": Config("ttm-r32 with the gates at 10x the cores' lr (train_lm's default until the group seeds "
@@ -206,7 +209,7 @@ CONFIGS: dict[str, Config] = {
 CONFIGS["ttm-r64-gate1x"] = Config("ttm-r64 with the gates at the cores' lr",
                                    ("--tensorize", "64", "--gate-lr-scale", "1") + TTM)
 for _name in ("dense-d512", "ttm-r32", "ttm-r32-gate1x", "btt-iso", "ttm-r64", "ttm-c2-iso", "ttm-c4-iso",
-              "btt-pkg-g1", "ttm-r64-gate1x", "dense"):
+              "btt-pkg-g1", "ttm-r64-gate1x", "dense", "ttm-r32-fanin"):
     for _seed in ((1, 2) if _name in ("ttm-r32-gate1x", "btt-iso", "dense") else (1,)):
         _base = CONFIGS[_name]
         CONFIGS[f"{_name}-s{_seed}"] = replace(_base, doc=f"{_name}, seed {_seed} (seed noise)",
@@ -218,10 +221,12 @@ GROUPS = {
     "seeds": ["dense-s1@0.0006", "dense-d512-s1@0.0012", "ttm-r32-s1@0.0048", "ttm-r32-gate1x-s1@0.0048",
               "ttm-r32-gate1x-s2@0.0048", "btt-iso-s1@0.0096", "ttm-r64-s1@0.0024"],
     # next2: after the gates' lr default moved to 1x: its lr neighbours, other core counts at equal
-    # parameters, btt through the package with the example's decay, and ttm-r64 with 1x gates
+    # parameters, btt through the package with the example's decay, ttm-r64 with 1x gates, core steps
+    # scaled by fan-in
     "next2": ["ttm-r32-gate1x@0.0024", "ttm-r32-gate1x@0.0096", "ttm-c2-iso@0.0048", "ttm-c4-iso@0.0048",
               "ttm-c2-iso-s1@0.0048", "ttm-c4-iso-s1@0.0048", "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096",
-              "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024", "btt-iso-s2@0.0096", "dense-s2@0.0006"],
+              "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024", "btt-iso-s2@0.0096", "dense-s2@0.0006",
+              "ttm-r32-fanin@0.0048", "ttm-r32-fanin-s1@0.0048"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",

@@ -639,3 +639,35 @@ def test_tt_cores_sets_each_kinds_core_count():
     assert mlp_cores("--tt-cores", "attn=3") == default  # another kind's count leaves mlp alone
     with pytest.raises(SystemExit):
         train_lm.parse_args(TINY + ["--tt-cores", "2"])
+
+
+def test_core_lr_rule_fan_in_scales_each_cores_sgd_step_exactly():
+    """CoreStepScale: with plain SGD each core's update is lr * s_k * grad, s_k = F / (r_{k-1} m_k) with F
+    the geometric mean over the layer's cores (checked against the hand-made scales); other parameters
+    and the gates are untouched by it; it needs --tensorize."""
+    torch.manual_seed(0)
+    model = train_lm.GPT(256, 32, 64, 1, 2)
+    args = train_lm.parse_args(TINY + ["--d-model", "64", "--tensorize", "4", "--fmt", "ttm", "--core-lr-rule", "fan-in"])
+    train_lm.compress(model, args)
+    layers = list(train_lm.cc.iter_tt_layers(model))
+    assert layers
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_lm.CoreStepScale(model, opt)
+    idx = torch.randint(0, 256, (2, 16))
+    model(idx, labels=idx).backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for lay in layers:
+        spec, flat = lay.param.spec, lay.param.core_flat
+        fans = [spec.ranks[k] * m for k, (m, _) in enumerate(spec.chain_modes)]
+        mean = math.exp(sum(map(math.log, fans)) / len(fans))
+        want = torch.cat([torch.full((math.prod(s),), mean / f) for s, f in zip(spec.core_shapes, fans)])
+        name = names[id(flat)]
+        torch.testing.assert_close(before[name] - flat.detach(), 0.1 * want * grads[name], rtol=1e-5, atol=1e-7)
+        gname = names[id(lay.param.gate_flat)]
+        if gname in grads:
+            torch.testing.assert_close(before[gname] - lay.param.gate_flat.detach(), 0.1 * grads[gname])
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(TINY + ["--core-lr-rule", "fan-in"])
