@@ -17,6 +17,7 @@ CCE_BACKWARD = ("filtered", "exact")
 CCE_STRATEGIES = ("auto", "chunked", "sparse", "static", "fused")
 CCE_POLICIES = ("memory", "speed")
 TT_MERGES = ("inductor", "opaque")
+TT_STRATEGIES = ("auto", "dense", "factored", "contract", "blocks", "tables")
 MIB = 1 << 20
 
 
@@ -76,6 +77,12 @@ class CompileOptions:
             Inductor does not compile: fewer generated kernels and a shorter compile (the CPU
             six-encoder model's first step 55 -> 33 s), the merges then running unfused; no double
             backward through them.
+        tt_strategy: the token-sized path of every tensor-train site. ``"auto"`` (default): the
+            planner's cheapest estimate. A pin applies where the site has that candidate (``"dense"``:
+            form the weight; ``"factored"``: a ``"tt"`` layer through its bottleneck; ``"contract"``: a
+            TT-matrix's tokens through its cores; ``"blocks"``: a block tensor-train's batched block
+            GEMMs; ``"tables"``: an embedding's gathered tables); elsewhere the planner chooses and
+            ``explain`` says the pin did not apply.
         inductor_config: extra Inductor config patches, passed through unchanged.
     """
 
@@ -93,6 +100,7 @@ class CompileOptions:
     cce_memory_budget: int | None = None
     cce_strategy: str = "auto"
     tt_merges: str = "inductor"
+    tt_strategy: str = "auto"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,6 +109,7 @@ class CompileOptions:
         _check_choice("cce_strategy", self.cce_strategy, CCE_STRATEGIES)
         _check_choice("cce_policy", self.cce_policy, CCE_POLICIES)
         _check_choice("tt_merges", self.tt_merges, TT_MERGES)
+        _check_choice("tt_strategy", self.tt_strategy, TT_STRATEGIES)
         for name in ("strict", "max_autotune", "cce_deterministic"):
             _check_type(name, getattr(self, name), bool, "a bool")
         if self.cudagraphs is not None:

@@ -85,7 +85,7 @@ def swap_blocks(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
             _BROKEN.append(f"{type(exc).__name__}: {exc}")
             logger.warning("btt_swap: the Triton kernel failed (%s); using permute().contiguous() from now on "
                            "(correct, slower)", _BROKEN[0].splitlines()[0][:300])
-    return x.permute(2, 1, 0, 3).contiguous()
+    return x.permute(2, 1, 0, 3).clone(memory_format=torch.contiguous_format)  # a copy, never a view
 
 
 @torch.library.custom_op("comera::btt_swap", mutates_args=())

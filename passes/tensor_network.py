@@ -81,6 +81,7 @@ class _Site:
     padding_idx: int | None = None
     plan: TTPlan | None = None
     output: tt_runtime.Output | str | None = None  # or one of ALONE: a site rewritten on its own
+    pin_note: str = ""  # why the tt_strategy option did not apply at this site
 
     @property
     def flats(self) -> tuple[fx.Node, fx.Node]:
@@ -186,30 +187,35 @@ def _plan(site: _Site, ctx: PassContext) -> None:
     out = fake(site.node)
     nbytes = out.element_size()
     cudagraphs = ctx.options.cudagraphs if ctx.options.cudagraphs is not None else out.is_cuda  # auto: on
+    pin = None if ctx.options.tt_strategy == "auto" else ctx.options.tt_strategy
     if site.spec.fmt == "btt" and site.kind == "tt_embedding":
         site.output = "btt_dense"  # the table formed in the graph (one batched GEMM), then the lookup
+        if pin not in (None, "dense"):
+            site.pin_note = f"tt_strategy={pin!r} does not apply here (a btt embedding forms its table)"
         return
     if site.kind == "tt_embedding":
         n = size_hint(fake(site.x).numel())
-        site.plan = plan_embedding(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
+        site.plan = plan_embedding(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs, strategy=pin)
         site.output = "tables" if site.plan.strategy == "tables" else "dense"
-        return
-    fx_ = fake(site.x)
-    n = 1
-    for s in fx_.shape[:-1]:
-        n *= size_hint(s)
-    if site.spec.fmt == "btt":
-        site.plan = plan_btt_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
-        site.output = "blocks" if site.plan.strategy == "blocks" else "btt_dense"
-        return
-    site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs)
-    if site.plan.strategy == "contract":
-        site.output = "contract"
-        return
-    if site.plan.strategy == "factored":
-        site.output = "factors" if site.x_times_m else "factors_t"
     else:
-        site.output = "dense_t" if site.spec.transpose else "dense"
+        fx_ = fake(site.x)
+        n = 1
+        for s in fx_.shape[:-1]:
+            n *= size_hint(s)
+        if site.spec.fmt == "btt":
+            site.plan = plan_btt_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs, strategy=pin)
+            site.output = "blocks" if site.plan.strategy == "blocks" else "btt_dense"
+        else:
+            site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs, strategy=pin)
+            if site.plan.strategy == "contract":
+                site.output = "contract"
+            elif site.plan.strategy == "factored":
+                site.output = "factors" if site.x_times_m else "factors_t"
+            else:
+                site.output = "dense_t" if site.spec.transpose else "dense"
+    if pin is not None and site.plan.strategy != pin:
+        names = ", ".join(k for k, _ in site.plan.candidates)
+        site.pin_note = f"tt_strategy={pin!r} does not apply here (candidates: {names}); the planner chose"
 
 
 @dataclasses.dataclass
@@ -378,6 +384,17 @@ def _with_weight(graph: fx.Graph, site: _Site, weight: fx.Node, dtype: torch.dty
 
 
 def _detail_alone(site: _Site) -> str:
+    return _with_pin_note(site, _describe_alone(site))
+
+
+def _with_pin_note(site: _Site, text: str) -> str:
+    if not site.pin_note:
+        return text
+    head, sep, rest = text.partition("\n")
+    return f"{head}; {site.pin_note}{sep}{rest}"
+
+
+def _describe_alone(site: _Site) -> str:
     s = site.spec
     if site.output == "contract":
         shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
@@ -430,7 +447,8 @@ def _detail(site: _Site, group: _Group) -> str:
         if len(group.members) > 1 else ""
     if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:
         share += " (the merges one opaque op: tt_merges='opaque')"
-    return f"{fmt} {shape}, {site.spec.n_cores} cores: {site.plan.summary()}{share}\n{site.plan.describe()}"
+    return _with_pin_note(site, f"{fmt} {shape}, {site.spec.n_cores} cores: {site.plan.summary()}{share}\n"
+                                f"{site.plan.describe()}")
 
 
 def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:

@@ -7,6 +7,10 @@ counts and padding (``cc.tensorize_``), compiled with ``backend="comera"`` and c
 * the same model densified (``cc.densify_``), run eagerly: the output and the input/bias gradients;
 * the same tensorized model run eagerly (the weights materialized): the gradients of every core and gate.
 
+Each example also draws the backend's ``tt_strategy`` (``"auto"`` or a pinned token-sized path), so
+every executor (dense weight, factored, TT-matrix contraction, btt blocks, embedding tables) meets
+random shapes, not only those the cost model picks it for.
+
 Run it alone with ``pytest -m fuzz tests/test_fuzz_tt.py``; ``COMERA_FUZZ_TT_EXAMPLES=<n>`` sets the
 number of examples and ``COMERA_FUZZ_SEED=<int>`` draws other ones (the default run is derandomized).
 """
@@ -40,6 +44,7 @@ class Case:
     index_shape: tuple[int, ...]
     index_pattern: str
     seed: int
+    tt_strategy: str = "auto"  # the backend's tt_strategy option: every token-sized path, pinned where it applies
 
     def config(self, i: int) -> cc.TTConfig:
         rank, fmt, n_cores, max_pad = self.configs[i]
@@ -72,7 +77,8 @@ def cases(draw) -> Case:
     shape = draw(st.sampled_from([(5,), (2, 3), (1, 1), (3, 1, 4)]))
     return Case(vocab=draw(st.sampled_from(SIZES[2:])), dims=dims, bias=[draw(st.booleans()) for _ in range(n_linear)],
                 configs=configs, index_shape=shape, index_pattern=draw(st.sampled_from(["random", "repeated", "edges"])),
-                seed=draw(st.integers(0, 2 ** 16)))
+                seed=draw(st.integers(0, 2 ** 16)),
+                tt_strategy=draw(st.sampled_from(["auto", "dense", "factored", "contract", "blocks", "tables"])))
 
 
 def _indices(case: Case, g: torch.Generator) -> torch.Tensor:
@@ -112,7 +118,7 @@ def check_case(case: Case) -> None:
     bias_names = [n for n, _ in model.named_parameters() if n.endswith("bias")]
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="comera", options={"inner": "aot_eager"})
+    compiled = torch.compile(model, backend="comera", options={"inner": "aot_eager", "tt_strategy": case.tt_strategy})
     out, dx, grads = _loss_and_grads(compiled, idx, x0, probe, tt_names + bias_names, params_of=model)
     _, _, ref_tt = _loss_and_grads(eager_tt, idx, x0, probe, tt_names)
     # densify_ last: it edits the class that a deep copy of a parametrized module shares

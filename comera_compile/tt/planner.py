@@ -478,10 +478,10 @@ def _einsum_flops(spec: TTSpec, n: int) -> int:
 
 def _choose(kind: PlanKind, spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool,
             cands: dict[str, tuple[_Costing, int]], t0: float, einsum_flops: int = 0,
-            tables: dict[int, Any] | None = None) -> TTPlan:
+            tables: dict[int, Any] | None = None, force: str | None = None) -> TTPlan:
     """The plan of the cheapest candidate (``(costing, split)`` by strategy), with every candidate's
     estimate, cheapest first."""
-    best = min(cands, key=lambda k: cands[k][0].total)
+    best = force if force in cands else min(cands, key=lambda k: cands[k][0].total)
     order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
     chosen, split = cands[best]
     cut = cut_at(spec, split)
@@ -495,7 +495,8 @@ def _choose(kind: PlanKind, spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
+def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+                        force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     P, Q = spec.padded_rows, spec.padded_cols
     cands: dict[str, tuple[_Costing, int]] = {}
@@ -520,7 +521,8 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     cands["dense"] = (c, b)
     if spec.interleaved:  # a TT-matrix: the tokens contracted through the cores, the weight never formed
         cands["contract"] = (_contract_costing(model, dtype_bytes, cudagraphs, spec, n), spec.natural_split)
-    return _choose("linear", spec, n, dtype_bytes, cudagraphs, cands, t0, einsum_flops=_einsum_flops(spec, n))
+    return _choose("linear", spec, n, dtype_bytes, cudagraphs, cands, t0, einsum_flops=_einsum_flops(spec, n),
+                   force=force)
 
 
 def _gemm_dims(step: str, sizes: dict[str, int]) -> tuple[int, int, int, int]:
@@ -584,21 +586,23 @@ def _plannable(spec: TTSpec, what: str) -> TTSpec:
 
 
 def plan_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                model: DeviceModel = H200) -> TTPlan:
+                model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
     """Plan ``x @ M`` (forward and backward) for the TT layer ``spec`` at ``n_tokens`` tokens (see the
     module doc).
 
     ``n_tokens`` may be an int, a ``torch.SymInt`` or a sympy expression (its size hint is used; no
     guard). ``cudagraphs`` costs launches as inside a CUDA graph. Plans are cached on the chain
     (format, modes, ranks) and the other arguments; ``rows``, ``cols`` and ``transpose`` do not
-    change a plan.
+    change a plan. ``strategy`` pins a candidate when the layer has it (else the cheapest wins); every
+    candidate is costed either way.
     """
     return _plan_linear_cached(_plannable(spec, "layer"), size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs),
-                               model)
+                               model, strategy)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
+def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+                     force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
     P, Q, e = spec.padded_rows, spec.padded_cols, dtype_bytes
@@ -624,7 +628,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     dense.gemm("merge_backward", "d(R g) = dW·Lᵀ, per block", b2, r, a, batch=b1 * c)
     dense.gemm("merge_backward", "dL = (R g)ᵀ·dW, per block", r, a, b2, batch=b1 * c)
     cands = {"blocks": blocks, "dense": dense}
-    best = min(cands, key=lambda k: cands[k].total)
+    best = force if force in cands else min(cands, key=lambda k: cands[k].total)
     order = tuple(sorted(((k, v.total) for k, v in cands.items()), key=lambda kv: kv[1]))
     return TTPlan(kind="linear", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
                   split=1, left=0, right=1, steps=tuple(cands[best].steps), candidates=order, einsum_flops=0,
@@ -632,7 +636,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
 
 
 def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                    model: DeviceModel = H200) -> TTPlan:
+                    model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
     """Plan ``x @ M`` (forward and backward) for the block tensor-train layer ``spec`` (``fmt="btt"``) at
     ``n_tokens`` tokens. Two candidates:
 
@@ -643,11 +647,12 @@ def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagr
       the weight is never formed;
     * ``"dense"``: the weight formed (one batched GEMM over the blocks), then ``nn.Linear``'s GEMMs.
 
-    ``P x Q`` is the padded matrix. The cheaper estimate wins (:meth:`TTPlan.describe` lists both)."""
+    ``P x Q`` is the padded matrix. The cheaper estimate wins (:meth:`TTPlan.describe` lists both), or
+    ``strategy`` when it names one of the two."""
     if spec.fmt != "btt":
         raise ValueError(f"plan_btt_linear plans a 'btt' layer; got fmt={spec.fmt!r} (use plan_linear)")
     padded = TTSpec("btt", spec.row_modes, spec.col_modes, spec.ranks, spec.padded_rows, spec.padded_cols, False)
-    return _plan_btt_cached(padded, size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs), model)
+    return _plan_btt_cached(padded, size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs), model, strategy)
 
 
 def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
@@ -676,7 +681,8 @@ def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], r
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel) -> TTPlan:
+def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+                           force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     P, Q = spec.padded_rows, spec.padded_cols
     e = dtype_bytes
@@ -697,15 +703,15 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
     c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
     c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
     cands["dense"] = (c, b)
-    return _choose("embedding", spec, n, dtype_bytes, cudagraphs, cands, t0, tables=tables)
+    return _choose("embedding", spec, n, dtype_bytes, cudagraphs, cands, t0, tables=tables, force=force)
 
 
 def plan_embedding(spec: TTSpec, n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                   model: DeviceModel = H200) -> TTPlan:
+                   model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
     """Plan a lookup of the TT embedding ``spec`` (forward + backward): gathered tables at the best
-    bond, or the dense table when that is cheaper (small vocabularies)."""
+    bond, or the dense table when that is cheaper (small vocabularies); ``strategy`` pins one."""
     return _plan_embedding_cached(_plannable(spec, "embedding"), size_hint(n_lookups), int(dtype_bytes),
-                                  bool(cudagraphs), model)
+                                  bool(cudagraphs), model, strategy)
 
 
 def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],

@@ -178,3 +178,15 @@ def test_swap_falls_back_to_the_permute_once_the_kernel_fails(monkeypatch, caplo
                for r in caplog.records) == 1
     with pytest.raises(RuntimeError, match="no kernel here"):
         mod.swap_blocks(x, impl="triton")
+
+
+def test_swap_never_returns_a_view_of_its_input():
+    """With A or B of 1 the permute is already contiguous; the op must still return a new tensor (a custom
+    op may not alias its input). Found by the tt fuzzer (a rank-1 btt layer over one token, blocks pinned)."""
+    from comera_compile.kernels.btt_swap import swap_blocks
+
+    for shape in ((1, 1, 3, 4), (3, 1, 1, 4), (1, 2, 1, 1)):
+        x = torch.randn(*shape)
+        y = swap_blocks(x)
+        assert y.data_ptr() != x.data_ptr() and torch.equal(y, x.permute(2, 1, 0, 3))
+        assert torch.ops.comera.btt_swap(x).data_ptr() != x.data_ptr()

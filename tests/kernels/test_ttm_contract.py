@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 
+from comera_compile import explain
 from comera_compile.kernels import tt_runtime
 from comera_compile.tensorize import TTConfig, iter_tt_layers, tensorize_
 from comera_compile.tt import TTSpec, join_flat
@@ -96,3 +97,51 @@ def test_pass_contracts_the_tokens_of_a_wide_tt_matrix_layer_and_matches_eager()
     text = compiled_step_matches_eager(eager, torch.randn(2, 4, 4096))
     assert "ttm 4096->4096, 3 cores: contract ~" in text and "other: dense ~" in text
     assert "the weight never formed" in text and "still forms a dense weight" not in text
+
+
+class _Mixed(torch.nn.Module):
+    """An embedding and three Linears, one per format (the tt_strategy pins' every target)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 24)
+        self.a = torch.nn.Linear(24, 36)
+        self.b = torch.nn.Linear(36, 30)
+        self.c = torch.nn.Linear(30, 24)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(h)))))
+
+
+@pytest.mark.parametrize("pin", ["dense", "factored", "contract", "blocks", "tables"])
+def test_tt_strategy_pins_each_path_and_matches_eager(pin):
+    import copy
+
+    import comera_compile as cc
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Mixed()
+    cc.tensorize_(eager, {"emb": cc.TTConfig(fmt="ttm", rank=3, min_size=0), "a": cc.TTConfig(fmt="ttm", rank=3, min_size=0),
+                          "b": cc.TTConfig(fmt="tt", rank=3, min_size=0), "c": cc.TTConfig(fmt="btt", rank=2, min_size=0)})
+    model = copy.deepcopy(eager)
+    step = torch.compile(model, backend="comera", options={"inner": "aot_eager", "tt_strategy": pin}, fullgraph=True)
+    idx = torch.randint(0, 96, (3, 5))
+    for fn, m in ((step, model), (eager, eager)):
+        m.zero_grad()
+        fn(idx).pow(2).sum().backward()
+    want = {n: p.grad for n, p in eager.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    text = str(explain(step, idx))
+    # every pin but "dense" misses some of the four formats, and explain says so at each of those sites
+    assert (f"tt_strategy={pin!r} does not apply here" in text) == (pin != "dense"), text
+    if pin == "contract":
+        assert "ttm 24->36, 2 cores: contract ~" in text or "ttm 24->36, 3 cores: contract ~" in text, text
+    if pin == "blocks":
+        assert ": blocks ~" in text
+    if pin == "factored":
+        assert "factored ~" in text.split("tt 36->30")[1].split("\n")[0]
+    if pin == "tables":
+        assert "tables ~" in text
