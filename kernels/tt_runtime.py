@@ -384,6 +384,9 @@ def _tt_group_merge_backward(core_flats: list[torch.Tensor], gate_flats: list[to
     """The gradients of ``comera::tt_group_merge`` (core flats, then gate flats): its merges recomputed
     with autograd on (an op's body runs below autograd: the guard puts the autograd keys back)."""
     spec, cut, output, dtype = _read_meta(meta)
+    if not all(hasattr(torch._C, name) for name in ("_ForceDispatchKeyGuard", "_dispatch_tls_local_exclude_set")):
+        raise RuntimeError("tt_merges='opaque' needs torch's dispatch-key guards (torch._C._ForceDispatchKeyGuard), "
+                           "which this torch lacks; compile with options={'tt_merges': 'inductor'}")
     include = torch._C._dispatch_tls_local_include_set()
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
     with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
