@@ -74,3 +74,19 @@ def test_plot_width_draws_the_sweep(tmp_path):
     src.write_text(json.dumps([{"model": "encoder", "variant": "tt"}]))
     with pytest.raises(SystemExit, match="no width-sweep rows"):
         plot.main([str(src), "--out", str(out)])
+
+
+def test_plot_quality_summary_draws_every_row_and_refuses_an_empty_one(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot_quality_summary", ROOT / "benchmarks" / "plot_quality_summary.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    out = tmp_path / "q.png"
+    plot.main([str(ROOT / "benchmarks" / "results" / "quality_2026-12-01.json"), "--out", str(out)])
+    assert out.stat().st_size > 1000
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"row": "x", "family": "dense", "parameters": 1, "val_loss": []}]}))
+    with pytest.raises(SystemExit, match="every row needs at least one val_loss"):
+        plot.main([str(bad), "--out", str(out)])
