@@ -3,6 +3,9 @@
 #   1. the timing pass: every configuration compiles side by side, then runs its timed steps alone;
 #   2. the study: every configuration of the group "benchmark" at each learning rate of its own sweep,
 #      1,900 steps of 32 x 512 tokens (31.1 M tokens, under one epoch of the corpus), CUDA graphs on.
+# The run recorded in BENCHMARKS.md (2026-12-01) trained the rank gates at 10x the lr, train_lm's default
+# then; the default is now 1x (better by 0.19 nats for TT-matrix r32). To repeat that run exactly, set
+# EXTRA="--cuda-graphs --gate-lr-scale 10".
 # Then, on any machine, the tables and plots from the logs:
 #   python benchmarks/quality_study.py --out-dir DIR --configs benchmark --report-only --plot-dir docs \
 #       --plot-prefix quality_benchmark_
@@ -13,7 +16,8 @@ out_dir=${1:-qb}
 deadline=${2:-}
 concurrency=${3:-14}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-common=(--out-dir "$out_dir" --configs benchmark --steps 1900 --batch-size 32 --eval-every 190 --extra=--cuda-graphs)
+common=(--out-dir "$out_dir" --configs benchmark --steps 1900 --batch-size 32 --eval-every 190
+        "--extra=${EXTRA:---cuda-graphs}")
 python3 benchmarks/quality_study.py "${common[@]}" --timing --timing-steps 40 --deadline-s "${TIMING_DEADLINE_S:-360}" ||
     echo "timing pass: rc $?"
 python3 benchmarks/quality_study.py "${common[@]}" --lrs grid --concurrency "$concurrency" \
