@@ -77,11 +77,11 @@ def swap_blocks(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     if x.dim() != 4:
         raise ValueError(f"btt_swap: expected a 4-D tensor [A, M, B, K], got shape {tuple(x.shape)}")
     if use_triton(x, impl, op="btt_swap") and (impl == "triton" or not _BROKEN):
-        if impl == "triton":
-            return _swap_triton(x.contiguous())
         try:
             return _swap_triton(x.contiguous())
         except Exception as exc:  # a Triton build that cannot compile the kernel: stay correct, say so once
+            if impl == "triton":
+                raise
             _BROKEN.append(f"{type(exc).__name__}: {exc}")
             logger.warning("btt_swap: the Triton kernel failed (%s); using permute().contiguous() from now on "
                            "(correct, slower)", _BROKEN[0].splitlines()[0][:300])

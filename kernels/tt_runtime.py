@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.format import TTSpec, chain_modes, join_flat, materialize, split_flat
+from comera_compile.tt.format import TTSpec, _chain, chain_modes, join_flat, materialize, split_flat
 from comera_compile.tt.planner import Bracket, Cut
 from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defines comera::btt_swap)
 
@@ -317,21 +317,14 @@ def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tens
     cores, gates = split_flat(core_flat, gate_flat, spec)
     rows, cols = spec.rows, spec.cols
     row_modes = spec.row_modes
-    if not x_times_m:
-        cores = [c.permute(0, 2, 1, 3) for c in cores]
-        rows, cols, row_modes = cols, rows, spec.col_modes
-    d = len(cores)
     with _no_autocast(x):
-        folded = []
-        for k, core in enumerate(cores):
-            if k < d - 1:
-                core = core * gates[k].to(core.dtype)
-            core = core.to(dtype)
-            if k == 0:
-                core = core[0]
-            if k == d - 1:
-                core = core[..., 0]
-            folded.append(core)
+        # gates folded into their left cores in the cores' dtype, then [r, m, n, r] in the compute dtype
+        folded = [c.reshape(shape).to(dtype) for c, shape in
+                  zip(_chain(cores, gates, spec, core_flat.dtype), spec.core_shapes)]
+        if not x_times_m:
+            folded = [c.permute(0, 2, 1, 3) for c in folded]
+            rows, cols, row_modes = cols, rows, spec.col_modes
+        folded[0], folded[-1] = folded[0][0], folded[-1][..., 0]  # the boundary ranks (1) squeezed
         lead = x.shape[:-1]
         xt = x.to(dtype).reshape(-1, x.shape[-1])
         padded = math.prod(row_modes)

@@ -394,16 +394,23 @@ def _with_pin_note(site: _Site, text: str) -> str:
     return f"{head}; {site.pin_note}{sep}{rest}"
 
 
+def _shape(site: _Site) -> str:
+    """How explain names the site's map: ``rows x cols`` (embedding), ``in->out`` or ``in->out (x @ Mᵀ)``."""
+    s = site.spec
+    if site.kind == "tt_embedding":
+        return f"{s.rows}x{s.cols}"
+    return f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
+
+
 def _describe_alone(site: _Site) -> str:
     s = site.spec
+    shape = _shape(site)
     if site.output == "contract":
-        shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
         return (f"{s.fmt} {shape}, {s.n_cores} cores: {site.plan.summary()} (the tokens contracted through the "
                 f"cores; the weight never formed)\n{site.plan.describe()}")
     if site.kind == "tt_embedding":
-        return (f"btt {s.rows}x{s.cols}, blocks {s.describe()} at rank {s.ranks[1]}: the table formed in the graph "
+        return (f"btt {shape}, blocks {s.describe()} at rank {s.ranks[1]}: the table formed in the graph "
                 f"({2 * s.ranks[1] * s.padded_rows * s.padded_cols:,} FLOPs, one batched GEMM), then the lookup")
-    shape = f"{s.rows}->{s.cols}" if site.x_times_m else f"{s.cols}->{s.rows} (x @ Mᵀ)"
     how = "" if site.output == "blocks" else " (the weight formed in the graph, then a dense GEMM)"
     return (f"btt {shape}, blocks {s.describe()} at rank {s.ranks[1]}: {site.plan.summary()}{how}\n"
             f"{site.plan.describe()}")
@@ -440,9 +447,7 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, o
 
 
 def _detail(site: _Site, group: _Group) -> str:
-    fmt, rows, cols = site.spec.fmt, site.spec.rows, site.spec.cols
-    shape = f"{rows}x{cols}" if site.kind == "tt_embedding" else (
-        f"{rows}->{cols}" if site.x_times_m else f"{cols}->{rows} (x @ Mᵀ)")
+    fmt, shape = site.spec.fmt, _shape(site)
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
     if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:

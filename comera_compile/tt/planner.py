@@ -478,13 +478,13 @@ def _einsum_flops(spec: TTSpec, n: int) -> int:
 
 def _choose(kind: PlanKind, spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool,
             cands: dict[str, tuple[_Costing, int]], t0: float, einsum_flops: int = 0,
-            tables: dict[int, Any] | None = None, force: str | None = None) -> TTPlan:
+            tables: dict[int, Any] | None = None, force: str | None = None, cut: Cut | None = None) -> TTPlan:
     """The plan of the cheapest candidate (``(costing, split)`` by strategy), with every candidate's
     estimate, cheapest first."""
     best = force if force in cands else min(cands, key=lambda k: cands[k][0].total)
     order = tuple(sorted(((k, v[0].total) for k, v in cands.items()), key=lambda kv: kv[1]))
     chosen, split = cands[best]
-    cut = cut_at(spec, split)
+    cut = cut or cut_at(spec, split)
     return TTPlan(kind=kind, spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
                   split=split, left=cut.left, right=cut.right, steps=tuple(chosen.steps), candidates=order,
                   einsum_flops=einsum_flops, plan_time_s=time.perf_counter() - t0,
@@ -537,21 +537,22 @@ def _gemm_dims(step: str, sizes: dict[str, int]) -> tuple[int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _contraction_cached(spec: TTSpec, n: int) -> tuple[str, tuple, tuple[str, ...]]:
+def _contraction_cached(spec: TTSpec, n: int) -> tuple[str, tuple, tuple[str, ...], dict[str, int]]:
+    """The equation, opt_einsum's path, its pairwise steps and the index sizes."""
     g = _network(spec, n)
     sizes = _edge_sizes(g)
     leaves = ["x"] + [f"G{k + 1}" for k in range(spec.n_cores)]
     idx = [g.nodes[v]["indices"] for v in leaves]
     eq = ",".join(idx) + "->" + g.nodes["y"]["indices"]
     path, info = oe.contract_path(eq, *[tuple(sizes[ch] for ch in i) for i in idx], shapes=True, optimize="dp")
-    return eq, tuple(tuple(p) for p in path), tuple(step[2] for step in info.contraction_list)
+    return eq, tuple(tuple(p) for p in path), tuple(step[2] for step in info.contraction_list), sizes
 
 
 def contraction_path(spec: TTSpec, n_tokens: Any) -> tuple[str, tuple]:
     """``(equation, path)``: the einsum of ``x [n, i1..id]`` with the cores (boundary ranks squeezed)
     giving ``y [n, o1..od]``, and opt_einsum's (``dp``) pairwise order for ``n_tokens`` tokens: the
     ``"contract"`` strategy of a TT-matrix linear (executed by ``tt_runtime.ttm_contract``)."""
-    eq, path, _ = _contraction_cached(_structure(spec), size_hint(n_tokens))
+    eq, path, _, _ = _contraction_cached(_structure(spec), size_hint(n_tokens))
     return eq, path
 
 
@@ -559,8 +560,7 @@ def _contract_costing(model: DeviceModel, dtype_bytes: int, cudagraphs: bool, sp
     """The ``"contract"`` candidate: each pairwise product of the path as a GEMM forward and two
     backward, each output regrouped (a copy) forward and its gradient backward."""
     c = _Costing(model, dtype_bytes, cudagraphs)
-    _, _, steps = _contraction_cached(spec, n)
-    sizes = _edge_sizes(_network(spec, n))
+    _, _, steps, sizes = _contraction_cached(spec, n)
     for step in steps:
         m, nn_, k, batch = _gemm_dims(step, sizes)
         c.gemm("forward", f"contract {step}", m, nn_, k, batch)
@@ -627,12 +627,8 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     dense.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
     dense.gemm("merge_backward", "d(R g) = dW·Lᵀ, per block", b2, r, a, batch=b1 * c)
     dense.gemm("merge_backward", "dL = (R g)ᵀ·dW, per block", r, a, b2, batch=b1 * c)
-    cands = {"blocks": blocks, "dense": dense}
-    best = force if force in cands else min(cands, key=lambda k: cands[k].total)
-    order = tuple(sorted(((k, v.total) for k, v in cands.items()), key=lambda kv: kv[1]))
-    return TTPlan(kind="linear", spec=spec, n_tokens=n, dtype_bytes=dtype_bytes, cudagraphs=cudagraphs, strategy=best,
-                  split=1, left=0, right=1, steps=tuple(cands[best].steps), candidates=order, einsum_flops=0,
-                  plan_time_s=time.perf_counter() - t0)
+    return _choose("linear", spec, n, dtype_bytes, cudagraphs, {"blocks": (blocks, 1), "dense": (dense, 1)}, t0,
+                   force=force, cut=Cut(1, 0, 1))  # no chain to cut: R and L as they are
 
 
 def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
