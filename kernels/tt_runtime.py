@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
 import torch
 
-from comera_compile.tt.format import TTSpec, _chain, chain_modes, join_flat, materialize, split_flat
+from comera_compile.tt.format import TTSpec, chain_modes, join_flat, materialize, split_flat
 from comera_compile.tt.planner import Bracket, Cut
 from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defines comera::btt_swap)
 
@@ -314,13 +314,12 @@ def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tens
     ``path`` being those of that transposed chain. In ``dtype``, autocast off inside."""
     import opt_einsum as oe
 
-    cores, gates = split_flat(core_flat, gate_flat, spec)
     rows, cols = spec.rows, spec.cols
     row_modes = spec.row_modes
     with _no_autocast(x):
-        # gates folded into their left cores in the cores' dtype, then [r, m, n, r] in the compute dtype
-        folded = [c.reshape(shape).to(dtype) for c, shape in
-                  zip(_chain(cores, gates, spec, core_flat.dtype), spec.core_shapes)]
+        # gates folded into their left cores (in the cores' dtype), then [r, m, n, r] in the compute dtype
+        chain = _stacked_chain([core_flat], [gate_flat], spec.chain_modes, spec.ranks, dtype)
+        folded = [c[0].reshape(shape) for c, shape in zip(chain, spec.core_shapes)]
         if not x_times_m:
             folded = [c.permute(0, 2, 1, 3) for c in folded]
             rows, cols, row_modes = cols, rows, spec.col_modes
