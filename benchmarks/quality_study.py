@@ -156,6 +156,10 @@ CONFIGS: dict[str, Config] = {
                      ("--tensorize", "32", "--fmt", "attn=ttm,mlp=tt"), match={"mlp": "ttm-r32"}),
     "tt-all": Config("blocks tt: parameters of ttm-r32 per kind", ("--tensorize", "32", "--fmt", "tt"),
                      match={"attn": "ttm-r32", "mlp": "ttm-r32"}, lrs=NARROW_LRS),
+    "tt-all-silu": Config("tt-all with SiLU at each layer's rank bottleneck (TTConfig(activation='silu'): CoLA's "
+                          "low-rank activation in the TT format)", ("--tensorize", "32", "--fmt", "tt",
+                                                                    "--tt-activation", "silu"),
+                          match={"attn": "ttm-r32", "mlp": "ttm-r32"}, lrs=FACTORED_LRS),
     "ttm-r32-fused": Config("ttm-r32 with one fused qkv projection", ("--tensorize", "32", "--qkv", "fused") + TTM),
     # embeddings
     "ttm-r32+pos": Config("ttm-r32 and the position table (ttm, init std 0.02)",
@@ -226,7 +230,9 @@ GROUPS = {
     "next2": ["ttm-r32-gate1x@0.0024", "ttm-r32-gate1x@0.0096", "ttm-c2-iso@0.0048", "ttm-c4-iso@0.0048",
               "ttm-c2-iso-s1@0.0048", "ttm-c4-iso-s1@0.0048", "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096",
               "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024", "btt-iso-s2@0.0096", "dense-s2@0.0006",
-              "ttm-r32-fanin@0.0048", "ttm-r32-fanin-s1@0.0048"],
+              "ttm-r32-fanin@0.0048", "ttm-r32-fanin-s1@0.0048",
+              # tt with and without an activation at the bottleneck, with the gates at the cores' lr
+              "tt-all@0.0012", "tt-all@0.0024", "tt-all-silu@0.0012", "tt-all-silu@0.0024", "tt-all-silu@0.0048"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",

@@ -480,6 +480,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tt-cores", type=per_kind(int, "N"), default=None, metavar="N",
                    help="TTConfig.n_cores: cores per tensorized layer (default: tensorize_'s, 3 at d 768); or per "
                         "kind: attn=2,mlp=4")
+    g.add_argument("--tt-activation", choices=["none", "relu", "gelu", "silu"], default="none",
+                   help="TTConfig.activation: a nonlinearity at the rank bottleneck of the fmt tt layers "
+                        "(act(x L) R, CoLA's low-rank activation in the TT format); needs --fmt tt for those kinds")
     g.add_argument("--tt-init", choices=["random", "balanced", "svd"], default="random",
                    help="TTConfig.init: random (CoMERA's), balanced (every core at the same std), svd (TT-SVD of "
                         "the current weights; with --init-from: of a trained dense model)")
@@ -577,8 +580,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if missing:
             p.error(f"--tensorize gives no rank for the compressed kinds {missing} "
                     f"(--compress {','.join(args.compress)})")
-    elif args.tt_init != "random" or args.fmt or args.tt_init_std or args.tt_cores or args.core_lr_rule != "none":
-        p.error("--fmt, --tt-cores, --tt-init, --tt-init-std and --core-lr-rule need --tensorize RANK")
+    elif (args.tt_init != "random" or args.fmt or args.tt_init_std or args.tt_cores or args.core_lr_rule != "none"
+          or args.tt_activation != "none"):
+        p.error("--fmt, --tt-cores, --tt-init, --tt-init-std, --tt-activation and --core-lr-rule need --tensorize RANK")
+    if args.tt_activation != "none" and not any(for_kind(args.fmt, k) == "tt" for k in args.compress
+                                                if k not in ("tok", "pos")):
+        p.error(f"--tt-activation {args.tt_activation} applies to fmt tt Linear layers, and --fmt makes none of "
+                f"--compress {','.join(args.compress)} tt (e.g. --fmt tt, or attn=tt,mlp=tt)")
     if args.backend == "eager" and (args.compile_options or args.dynamic or args.cuda_graphs):
         p.error("--compile-options, --dynamic and --cuda-graphs apply to torch.compile; "
                 "--backend eager does not compile")
@@ -637,6 +645,8 @@ def tt_configs(model: nn.Module, args: argparse.Namespace) -> dict:
                        init_std=for_kind(args.tt_init_std, kind))
         if for_kind(args.tt_cores, kind) is not None:
             options["n_cores"] = for_kind(args.tt_cores, kind)
+        if args.tt_activation != "none" and options["fmt"] == "tt" and kind not in ("tok", "pos"):
+            options["activation"] = args.tt_activation
         rank = for_kind(args.tensorize, kind)
         configs[fqn] = cc.TTConfig(**options) if rank == "default" else cc.TTConfig(rank=rank, **options)
     return configs

@@ -450,6 +450,21 @@ def test_round_trip_a_pruned_btt_model(tmp_path):
     assert torch.equal(_logits(got, "llama"), want)
 
 
+def test_round_trip_keeps_a_tt_activation(tmp_path):
+    """TTConfig(activation=...) layers come back with their activation (and still refuse a dense weight)."""
+    m = make_model("llama").eval()
+    cc.tensorize_(m, cc.TTConfig(fmt="tt", rank=4, activation="gelu", min_size=0),
+                  filter_fn=lambda mod, fqn: ".mlp." in fqn)
+    want, layout = _logits(m, "llama"), _layout(m)
+    assert layout and {e["activation"] for e in layout} == {"gelu"}
+    cc.hf.save_pretrained(m, tmp_path)
+    got = cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
+    assert _layout(got) == layout
+    assert torch.equal(_logits(got, "llama"), want)
+    with pytest.raises(RuntimeError, match="no dense weight"):
+        got.get_submodule("model.layers.0.mlp.up_proj").weight
+
+
 def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
     from safetensors.torch import load_file, save_file
 

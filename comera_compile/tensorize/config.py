@@ -11,6 +11,7 @@ __all__ = ["TTConfig"]
 
 FMTS = ("auto",) + FORMATS  # "auto": "ttm" for every layer
 INITS = ("random", "balanced", "svd")
+ACTIVATIONS = (None, "relu", "gelu", "silu")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,13 @@ class TTConfig:
       the std of the table it replaces, i.e. the model's own embedding init: a GPT's 0.02 table
       started at std 1 trained 24 % worse).
     * ``max_pad``: largest relative padding the automatic factorization may add (0: never pad).
+    * ``activation``: ``None`` (default), ``"relu"``, ``"gelu"`` or ``"silu"``: a nonlinearity at
+      the rank bottleneck of a ``"tt"`` Linear, which then computes ``act(x L) R + b`` (CoLA's
+      low-rank activation; ``L``: the row cores merged, ``R``: the column cores merged, the
+      bottleneck's gate folded into ``L``). Needs ``fmt="tt"`` and random init; Linear and
+      ``Conv1D`` layers only. Such a layer has no dense weight: reading ``module.weight`` and
+      ``densify_`` raise. Its two GEMMs run as they are, under any backend; the tensor-network pass
+      leaves them to Inductor.
     """
 
     rank: Union[int, Sequence[int]] = 16
@@ -58,6 +66,7 @@ class TTConfig:
     svd_tol: float | None = None
     init_std: float | None = None
     max_pad: float = 0.1
+    activation: str | None = None
 
     def __post_init__(self) -> None:
         if self.fmt not in FMTS:
@@ -102,3 +111,11 @@ class TTConfig:
             raise ValueError(f"TTConfig.init_std must be > 0, got {self.init_std}")
         if not self.max_pad >= 0:
             raise ValueError(f"TTConfig.max_pad must be >= 0, got {self.max_pad}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"TTConfig.activation must be one of {list(ACTIVATIONS)}, got {self.activation!r}")
+        if self.activation is not None and self.fmt != "tt":
+            raise ValueError(f"TTConfig.activation={self.activation!r} needs fmt='tt' (the format with a rank "
+                             f"bottleneck between the row and the column cores), got fmt={self.fmt!r}")
+        if self.activation is not None and self.init == "svd":
+            raise ValueError(f"TTConfig.activation={self.activation!r} needs init='random' or 'balanced': init='svd' "
+                             "fits the dense weight, a linear map that a layer with an activation no longer computes")

@@ -14,6 +14,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 from comera_compile import tt
@@ -24,6 +25,7 @@ from comera_compile.tt import TTSpec
 __all__ = [
     "TTLayer",
     "TTParametrization",
+    "bottleneck_forward",
     "iter_tt_layers",
     "require_unsharded",
     "set_parameter_data_",
@@ -86,6 +88,8 @@ class TTParametrization(nn.Module):
     ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks.
     """
 
+    activation: str | None = None  # the class default: a model pickled before the option existed has none
+
     def __init__(
         self,
         spec: TTSpec,
@@ -96,8 +100,13 @@ class TTParametrization(nn.Module):
         init: str,
         init_error: float | None = None,
         svd_tol: float | None = None,
+        activation: str | None = None,
     ) -> None:
         super().__init__()
+        if activation is not None and (spec.fmt != "tt" or activation not in _ACTIVATIONS):
+            raise ValueError(f"TTParametrization: activation={activation!r} needs fmt='tt' and one of "
+                             f"{sorted(_ACTIVATIONS)}, got fmt={spec.fmt!r}")
+        self.activation = activation  # a nonlinearity at the rank bottleneck ("tt" only), or None
         self.fmt = spec.fmt
         self.row_modes = tuple(spec.row_modes)
         self.col_modes = tuple(spec.col_modes)
@@ -182,7 +191,16 @@ class TTParametrization(nn.Module):
         return list(self._spec.ranks)
 
     def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
+        if self.activation is not None:
+            raise RuntimeError(f"this tt layer computes {self.activation}(x L) R with TTConfig(activation="
+                               f"{self.activation!r}): it has no dense weight to read (densify_ cannot turn it "
+                               "dense either); its factors are tt.bottleneck_factors(cores, gates, spec)")
         return torch.ops.comera.tt_materialize(*self._spec.materialize_args(self.core_flat, self.gate_flat))
+
+    def bottleneck_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``act(x L) R + bias`` for a layer with an activation (``x``: [..., in_features])."""
+        left, right = tt.bottleneck_factors(self.cores, self.gates, self._spec)
+        return F.linear(_ACTIVATIONS[self.activation](torch.matmul(x, left)), right.t(), bias)
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
         if self.refit_on_assign and value.numel():
@@ -231,7 +249,17 @@ class TTParametrization(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}"
+        act = f", activation={self.activation!r}" if self.activation is not None else ""
+        return f"{s.fmt} {s.describe()}, ranks={list(s.ranks)}, {s.rows}x{s.cols}, transpose={s.transpose}{act}"
+
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def bottleneck_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a Linear (or ``Conv1D``) whose TT has an activation at its bottleneck: it
+    replaces the module class's forward, which would read the (nonexistent) dense weight."""
+    return module.parametrizations.weight[0].bottleneck_linear(input, module.bias)
 
 
 def _bond_mismatch(cores: list, gates: list, prefix: str, spec: TTSpec) -> str | None:

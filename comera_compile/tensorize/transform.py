@@ -29,7 +29,12 @@ from comera_compile import tt
 from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.tensorize.compression import record_skipped
 from comera_compile.tensorize.config import TTConfig
-from comera_compile.tensorize.parametrization import TTParametrization, iter_tt_layers, tt_parametrization
+from comera_compile.tensorize.parametrization import (
+    TTParametrization,
+    bottleneck_forward,
+    iter_tt_layers,
+    tt_parametrization,
+)
 from comera_compile.tt import TTSpec
 
 log = logging.getLogger(__name__)
@@ -249,6 +254,10 @@ def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, layout: _Layout | No
         raise _Skip(f"{weight.numel()} weight elements < min_size={cfg.min_size}")
     if cfg.init == "svd" and weight.device.type == "meta":
         raise _Skip("init='svd' needs real weights (this one is on the meta device)")
+    if cfg.activation is not None and layout.kind == "Embedding":
+        raise _layer_error(fqn, layout.kind, weight.shape, f"TTConfig(activation={cfg.activation!r}) applies to Linear "
+                           "layers (an embedding's rows are read, not multiplied); leave it out with filter_fn or "
+                           "a config dict ({name: TTConfig(...)}, None to skip)")
     spec = _tt_spec(fqn, layout, weight, cfg)
     std = cfg.init_std
     if std is None and layout.kind == "Embedding":  # the model's own embedding scale
@@ -395,7 +404,7 @@ def _apply(plan: _Plan) -> str | None:
         cores = tt.random_cores(spec, plan.std, dtype=dtype, device=device, balanced=cfg.init == "balanced")
     gates = [torch.ones(r, dtype=dtype, device=device) for r in spec.gate_sizes]
     param = TTParametrization(spec, cores, gates, kind=plan.kind, init=cfg.init, init_error=error,
-                              svd_tol=cfg.svd_tol)
+                              svd_tol=cfg.svd_tol, activation=cfg.activation)
     param.core_flat.requires_grad_(weight.requires_grad)
     param.gate_flat.requires_grad_(weight.requires_grad)
     for _, module in plan.modules:
@@ -422,6 +431,10 @@ def _register(module: nn.Module, param: TTParametrization) -> None:
     placeholder = plist.original.detach()
     del plist.original
     plist.register_buffer("original", placeholder, persistent=False)
+    if param.activation is not None:
+        # register_parametrization gave the module a class of its own: its forward computes
+        # act(x L) R (the module's dense forward would read a weight the layer no longer has)
+        type(module).forward = bottleneck_forward
 
 
 _TIED = ("skip", "share", "untie")
@@ -513,7 +526,12 @@ def densify_(model: nn.Module) -> nn.Module:
     """Turn every tensorized layer back into a plain dense ``weight`` Parameter (in place); modules
     sharing one TT get one shared Parameter again."""
     root = unwrap_compiled(model)
-    for layer in list(iter_tt_layers(root)):
+    layers = list(iter_tt_layers(root))
+    nonlinear = [layer.fqn for layer in layers if layer.param.activation is not None]
+    if nonlinear:
+        raise ValueError(f"densify_: the tt layer(s) {_names(nonlinear)} have an activation at their rank bottleneck "
+                         "(TTConfig(activation=...)): act(x L) R is no dense matrix. Nothing was changed.")
+    for layer in layers:
         with torch.no_grad():
             weight = layer.module.weight.detach().clone()
         dense = nn.Parameter(weight, requires_grad=layer.param.core_flat.requires_grad)
@@ -539,7 +557,7 @@ def tt_layout(model: nn.Module) -> list[dict]:
             "row_modes": list(p.row_modes), "col_modes": list(p.col_modes), "rows": p.rows, "cols": p.cols,
             "transpose": bool(p.transpose), "core_shapes": [list(s) for s in p.core_shapes],
             "gate_sizes": list(p.gate_sizes), "init": p.init, "init_error": p.init_error, "svd_tol": p.svd_tol,
-            "requires_grad": bool(p.core_flat.requires_grad),
+            "requires_grad": bool(p.core_flat.requires_grad), "activation": p.activation,
         })
     return out
 
@@ -577,7 +595,8 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
         cores = [torch.zeros(s, dtype=dtype, device=device) for s in entry["core_shapes"]]
         gates = [torch.ones(n, dtype=dtype, device=device) for n in entry["gate_sizes"]]
         param = TTParametrization(spec, cores, gates, kind=entry["kind"], init=entry["init"],
-                                  init_error=entry.get("init_error"), svd_tol=entry.get("svd_tol"))
+                                  init_error=entry.get("init_error"), svd_tol=entry.get("svd_tol"),
+                                  activation=entry.get("activation"))
         param.core_flat.requires_grad_(entry.get("requires_grad", True))
         param.gate_flat.requires_grad_(entry.get("requires_grad", True))
         for module in group:

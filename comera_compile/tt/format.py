@@ -50,6 +50,7 @@ __all__ = [
     "Format",
     "TTSpec",
     "arrange_modes",
+    "bottleneck_factors",
     "cap_ranks",
     "chain_modes",
     "chain_ranks",
@@ -655,6 +656,24 @@ def materialize(
             m = m.t()
     out = m[: spec.cols, : spec.rows] if spec.transpose else m[: spec.rows, : spec.cols]
     return out.contiguous()
+
+
+def bottleneck_factors(
+    cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], spec: TTSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``"tt"`` layer's two factors at its rank bottleneck: ``L`` [rows, r] (the row cores
+    merged, every gate up to and including the bottleneck's folded in) and ``R`` [r, cols] (the
+    column cores merged), padding cropped, so that ``M = L @ R`` (:func:`materialize`, untransposed).
+    Differentiable in the cores and gates; for ``fmt != "tt"`` (no bottleneck) ValueError."""
+    if spec.bottleneck is None:
+        raise ValueError(f"bottleneck_factors: fmt={spec.fmt!r} has no rank bottleneck between its row and column "
+                         "cores (only 'tt' does)")
+    spec.check_cores(cores, gates)
+    chain = _chain(cores, gates, spec, _dtype(cores))
+    b = spec.bottleneck
+    left = _prefixes(chain, spec, b)[-1]
+    right = _suffixes(chain, spec, b)[0]
+    return left[: spec.rows], right[:, : spec.cols]
 
 
 def _grad_matrix(grad: torch.Tensor, spec: TTSpec, b: int | None) -> torch.Tensor:
