@@ -24,7 +24,7 @@ import logging
 
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
-__all__ = ["btt_swap", "swap_blocks"]
+__all__ = ["btt_blocks", "btt_blocks_backward", "btt_swap", "swap_blocks"]
 logger = logging.getLogger("comera_compile")
 _BROKEN: list[str] = []  # why the kernel could not run here (then the permute serves every later call)
 
@@ -105,3 +105,74 @@ def _backward(ctx, grad):
 
 
 btt_swap.register_autograd(_backward)
+
+
+# ------------------------------------------------------------------ the blocks path as one op (strided GEMMs)
+
+
+def _blocks_forward(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor, c: int, r: int):
+    """``y [n, c a]`` and the regrouped intermediate ``[c, n, b1 r]`` (kept for the backward)."""
+    n = x.shape[0]
+    b1, b2 = first.shape[0], first.shape[1]
+    a = second.shape[2]
+    # the token-major input read in place as [b1, n, b2] (a strided batch; no copy)
+    t = torch.bmm(x.view(n, b1, b2).transpose(0, 1), first)  # [b1, n, c r]
+    ts = swap_blocks(t.view(b1, n, c, r)).view(c, n, b1 * r)
+    y = x.new_empty((n, c, a))
+    torch.bmm(ts, second, out=y.transpose(0, 1))  # written token-major in place ([c, n, a] strided)
+    return y.view(n, c * a), ts
+
+
+@torch.library.custom_op("comera::btt_blocks", mutates_args=())
+def btt_blocks(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor, c: int,
+               r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, b1 b2] -> y [n, c a]`` through a block tensor-train's two batched cores, ``first``
+    [b1, b2, c r] (row block ``j``: ``x[:, j] @ first[j]``) and ``second`` [c, b1 r, a] (column block
+    ``c``), as one op: the GEMMs read the token-major input and write the token-major output in place
+    (strided batches, no copy); the one regrouping between them is :func:`swap_blocks`. Returns ``y``
+    and the regrouped intermediate ``[c, n, b1 r]``, which the backward
+    (``comera::btt_blocks_backward``, run the same way) reads; ``x`` must be contiguous."""
+    return _blocks_forward(x, first, second, c, r)
+
+
+@btt_blocks.register_fake
+def _(x, first, second, c, r):
+    n, b1 = x.shape[0], first.shape[0]
+    return x.new_empty((n, c * second.shape[2])), x.new_empty((c, n, b1 * r))
+
+
+@torch.library.custom_op("comera::btt_blocks_backward", mutates_args=())
+def btt_blocks_backward(grad: torch.Tensor, x: torch.Tensor, ts: torch.Tensor, first: torch.Tensor,
+                        second: torch.Tensor, c: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`btt_blocks` for ``x``, ``first`` and ``second``."""
+    n = x.shape[0]
+    b1, b2 = first.shape[0], first.shape[1]
+    a = second.shape[2]
+    gy = grad.contiguous().view(n, c, a).transpose(0, 1)  # [c, n, a] strided
+    g_second = torch.bmm(ts.transpose(1, 2), gy)  # [c, b1 r, a]
+    gts = torch.bmm(gy, second.transpose(1, 2))  # [c, n, b1 r]
+    gt = swap_blocks(gts.view(c, n, b1, r)).view(b1, n, c * r)
+    gx = x.new_empty((n, b1, b2))
+    torch.bmm(gt, first.transpose(1, 2), out=gx.transpose(0, 1))
+    g_first = torch.bmm(x.view(n, b1, b2).permute(1, 2, 0), gt)  # [b1, b2, c r]
+    return gx.view(n, b1 * b2), g_first, g_second
+
+
+@btt_blocks_backward.register_fake
+def _(grad, x, ts, first, second, c, r):
+    return torch.empty_like(x), torch.empty_like(first), torch.empty_like(second)
+
+
+def _blocks_setup(ctx, inputs, output) -> None:
+    x, first, second, c, r = inputs
+    ctx.c, ctx.r = c, r
+    ctx.save_for_backward(x, output[1], first, second)
+
+
+def _blocks_backward(ctx, grad, _grad_ts):
+    x, ts, first, second = ctx.saved_tensors
+    gx, g_first, g_second = torch.ops.comera.btt_blocks_backward(grad, x, ts, first, second, ctx.c, ctx.r)
+    return gx, g_first, g_second, None, None
+
+
+btt_blocks.register_autograd(_blocks_backward, setup_context=_blocks_setup)

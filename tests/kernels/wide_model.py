@@ -24,14 +24,15 @@ class Wide(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
-def compiled_step_matches_eager(eager: nn.Module, x: torch.Tensor) -> str:
-    """Loss and every gradient of one step under ``backend="comera"`` (aot_eager inside, fullgraph)
-    against eager; returns ``explain``'s text."""
+def compiled_step_matches_eager(eager: nn.Module, x: torch.Tensor, **options) -> str:
+    """Loss and every gradient of one step under ``backend="comera"`` (aot_eager inside, fullgraph;
+    ``options``: more backend options) against eager; returns ``explain``'s text."""
     import torch._dynamo
 
     torch._dynamo.reset()
     compiled_model = copy.deepcopy(eager)
-    step = torch.compile(compiled_model, backend="comera", options={"inner": "aot_eager"}, fullgraph=True)
+    step = torch.compile(compiled_model, backend="comera", options={"inner": "aot_eager", **options},
+                         fullgraph=True)
     target = torch.randint(0, 3, x.shape[:-1], generator=torch.Generator().manual_seed(0))
 
     def run(model, fn):
