@@ -229,7 +229,7 @@ GROUPS = {
     # scaled by fan-in
     "next2": ["ttm-r32-gate1x@0.0024", "ttm-r32-gate1x@0.0096", "ttm-c2-iso@0.0048", "ttm-c4-iso@0.0048",
               "ttm-c2-iso-s1@0.0048", "ttm-c4-iso-s1@0.0048", "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096",
-              "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024", "btt-iso-s2@0.0096", "dense-s2@0.0006",
+              "ttm-r64-gate1x@0.0024", "ttm-r64-gate1x-s1@0.0024",
               "ttm-r32-fanin@0.0048", "ttm-r32-fanin-s1@0.0048",
               # tt with and without an activation at the bottleneck, with the gates at the cores' lr
               "tt-all@0.0012", "tt-all@0.0024", "tt-all-silu@0.0012", "tt-all-silu@0.0024", "tt-all-silu@0.0048"],

@@ -38,8 +38,8 @@ class TTConfig:
       the sizes (padding, cropped away).
     * ``min_size``: layers whose weight has fewer elements are skipped.
     * ``init``: ``"random"`` (CoMERA's variance-matched init: the last core larger than the
-      others), ``"balanced"`` (random, every core at the same std, the same weight variance; not yet
-      measured against ``"random"`` in the quality benchmark) or ``"svd"`` (TT-SVD of the current
+      others), ``"balanced"`` (random, every core at the same std, the same weight variance; in the
+      quality benchmark's follow-ups no better than ``"random"``) or ``"svd"`` (TT-SVD of the current
       weights); ``svd_tol``: relative-error tolerance that picks the ranks (capped by
       ``rank``: where the cap stops TT-SVD short of the tolerance, ``tensorize_`` warns, naming the
       layers, their reached errors and the capped bonds; every layer's reached error is
