@@ -17,6 +17,9 @@ stamp "gpu tests rc $?"
 if [ -f benchmarks/bench_lowrank.py ]; then
   timeout 180 python3 benchmarks/bench_lowrank.py --json "$out/lowrank.json" > "$out/lowrank.log" 2>&1
   stamp "lowrank rc $?"
+  timeout 120 python3 benchmarks/bench_lowrank.py --activation silu --bias --no-compile --json "$out/lowrank-silu.json" \
+    > "$out/lowrank-silu.log" 2>&1
+  stamp "lowrank silu rc $?"
 fi
 for d in 2048 4096; do
   timeout 300 python3 benchmarks/bench_e2e.py --model lm-d$d --steps 20 \

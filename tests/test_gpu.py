@@ -128,10 +128,12 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("opaque", [False, True], ids=["ops", "btt_blocks"])
 @pytest.mark.parametrize("x_times_m", [True, False])
-def test_btt_blocks_bf16_against_float64_on_gpu(x_times_m):
-    """Both cores and the gate through the blocks path (with the swap kernel) in bf16, against the
-    float64 product with the weight formed block by block."""
+def test_btt_blocks_bf16_against_float64_on_gpu(x_times_m, opaque):
+    """Both cores and the gate through the blocks path (with the swap kernel; ``opaque``: the strided
+    GEMMs of comera::btt_blocks) in bf16, against the float64 product with the weight formed block by
+    block."""
     from comera_compile.kernels import tt_runtime
     from comera_compile.tt import TTSpec, join_flat, materialize
 
@@ -148,7 +150,7 @@ def test_btt_blocks_bf16_against_float64_on_gpu(x_times_m):
     lf = [t.detach().float().requires_grad_() for t in (R, L, g)]
     xb = x.detach().bfloat16().requires_grad_()
     cf, gf = join_flat(lf[:2], lf[2:])
-    got = tt_runtime.btt_linear(xb, cf, gf, spec, x_times_m, None, torch.bfloat16)
+    got = tt_runtime.btt_linear(xb, cf, gf, spec, x_times_m, None, torch.bfloat16, opaque)
     assert _rel(got, want.detach()) < 2e-2
     for gg, wg in zip(torch.autograd.grad(got, [xb] + lf, dy.bfloat16()), want_grads):
         assert _rel(gg, wg) < 3e-2
@@ -177,3 +179,65 @@ def test_ttm_contract_bf16_against_float64_on_gpu():
     assert _rel(got, want.detach()) < 2e-2
     for gg, wg in zip(torch.autograd.grad(got, [xb] + lf, dy.bfloat16()), want_grads):
         assert _rel(gg, wg) < 3e-2
+
+
+# ---------------------------------------------------------------- the fused rank bottleneck (comera::lowrank_linear)
+
+
+_LOWRANK_ACTS = {"identity": lambda h: h, "relu": F.relu, "gelu": F.gelu,
+                 "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "silu": F.silu}
+
+
+@pytest.mark.parametrize("shape, activation, bias, dtype", [
+    ((4096, 2048, 2048, 32), "identity", False, torch.bfloat16),
+    ((4096, 2048, 2048, 32), "gelu", True, torch.bfloat16),
+    ((4096, 2048, 2048, 32), "silu", True, torch.bfloat16),
+    ((2, 517, 1000, 777, 33), "relu", True, torch.bfloat16),   # leading dims, nothing a block multiple, r -> 64
+    ((2, 517, 1000, 777, 33), "gelu_tanh", True, torch.float32),
+    ((1023, 768, 768, 5), "gelu", False, torch.float16),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_lowrank_linear_kernels_against_float64_on_gpu(shape, activation, bias, dtype):
+    """The fused Triton forward and backward (impl="triton", autotuned) against float64
+    torch.nn.functional from the same rounded inputs: y and every gradient."""
+    from comera_compile.kernels.lowrank_fused import lowrank_linear
+
+    *lead, d_in, d_out, r = shape
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def rand(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64) * scale).to(dtype).double()
+
+    x, L, R = rand(*lead, d_in), rand(d_in, r, scale=d_in**-0.5), rand(r, d_out, scale=r**-0.5)
+    b = rand(d_out) if bias else None
+    dy = rand(*lead, d_out)
+    ref = [t.clone().requires_grad_() for t in (x, L, R) + ((b,) if bias else ())]
+    want = F.linear(_LOWRANK_ACTS[activation](F.linear(ref[0], ref[1].t())), ref[2].t(), ref[3] if bias else None)
+    want_grads = torch.autograd.grad(want, ref, dy)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in ref]
+    got = lowrank_linear(*leaves[:3], leaves[3] if bias else None, activation, impl="triton")
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else 1e-2
+    assert _rel(got, want.detach()) < tol
+    for name, g, w in zip(["dx", "dL", "dR", "dbias"], torch.autograd.grad(got, leaves, dy.to(dtype)), want_grads):
+        assert g.dtype == dtype and _rel(g, w) < 2 * tol, name
+
+
+def test_lowrank_linear_under_inductor_on_gpu():
+    """The op inside an Inductor graph (with surrounding ops fused by Inductor) matches it eagerly."""
+    from comera_compile.kernels.lowrank_fused import lowrank_linear
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(8, 512, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
+    L = (torch.randn(1024, 32, device="cuda", generator=gen) / 32).bfloat16()
+    R = (torch.randn(32, 1024, device="cuda", generator=gen) / 6).bfloat16()
+
+    def fn(x, L, R):
+        return lowrank_linear(F.layer_norm(x, (1024,)), L, R, None, "gelu").float().square().mean()
+
+    args = [t.clone().requires_grad_() for t in (x, L, R)]
+    args_e = [t.clone().requires_grad_() for t in (x, L, R)]
+    out = torch.compile(fn, backend="inductor", fullgraph=True)(*args)
+    ref = fn(*args_e)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-3)
+    for g, e in zip(torch.autograd.grad(out, args), torch.autograd.grad(ref, args_e)):
+        assert _rel(g, e.double()) < 2e-2
