@@ -8,6 +8,14 @@ of ours (``comera::linear_cross_entropy``): the default (``auto``, the cost mode
 at two memory budgets, ``fused`` (small D only), and the default and ``static`` replayed as a CUDA
 graph (inside capture the default never takes the sparse path).
 
+``auto`` prices the sparse path at the kept fraction observed on previous calls of the same shape
+class (``kept_fractions()``), probing it when there is none: the observations are reset for each
+shape and input case (another "model"), and the ``auto`` rows run ``--auto-warmup`` steps (default
+3) before the recorded step, so that the recorded and timed steps take the path chosen from the
+observation of this case (the row's ``paths``, ``auto_chose`` and ``kept_fraction`` say which, and
+what was observed). A run of ``auto`` that does not take the sparse path probes it once in
+``CCETuning.probe_every`` (50) calls, inside the timing too (the median is what is reported).
+
 Shapes: Gemma-2 2B (8192, 2304, 256000), Llama-3 8B (8192, 4096, 128256), the dense head of the
 Llama-style LM of bench_e2e.py (8192, 1024, 128256) and its tensor-train head at rank 32: the loss
 over the rank activations x [8192, 32] and the factor R^T, a strided [128256, 32] view of R [32, V]
@@ -214,8 +222,10 @@ def errors(out, ref):
             "err_dx": rel(gx[:ref["rows"]], ref["dx"]), "err_dw": rel(gw[:ref["cols"]], ref["dw"])}
 
 
-def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False):
-    from comera_compile.kernels.linear_cross_entropy import record_cce_stats
+def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False, warmup=0):
+    """One method on one input: errors, paths, memory, time. ``warmup``: steps run before the
+    recorded one (for ``auto``: the kept fraction is observed first)."""
+    from comera_compile.kernels.linear_cross_entropy import kept_fractions, record_cce_stats
 
     xr = x.detach().requires_grad_()
     wr = w.detach().requires_grad_()
@@ -226,6 +236,12 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False):
 
     res = {"method": name}
     t0 = time.time()
+    for i in range(warmup):
+        step()
+        if i == 0:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            res["first_call_s"] = round(time.time() - t0, 2)
     with record_cce_stats() as stats:
         if graph:
             g, out = capture(step, device)
@@ -234,12 +250,22 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False):
             out = step()  # warm-up / compile; checked first
     if device == "cuda":
         torch.cuda.synchronize()
-    res["first_call_s"] = round(time.time() - t0, 2)
+    res.setdefault("first_call_s", round(time.time() - t0, 2))
     res.update(errors(out, ref))
     res["loss"] = float(out[0])
     if stats:
         res["paths"] = [f"{s.phase}:{s.path}" for s in stats]
         res["stats"] = [{k: v for k, v in vars(s).items() if v not in (0, "")} for s in stats]
+    if name.startswith("ours auto"):
+        # the path of the recorded step: chunked, sparse (in the backward, or in the forward for a
+        # chunked plan), static or fused; and the kept fraction it was chosen from
+        ran = [s.path for s in stats if s.path != "triton"] or ["?"]
+        res["auto_chose"] = "+".join(dict.fromkeys(ran))
+        seen = [v for k, v in kept_fractions().items()
+                if (k.vocab, k.hidden, k.dtype) == (w.shape[0], w.shape[1], w.dtype)]
+        res["kept_fraction"] = round(seen[0].fraction, 4) if seen else None
+        print(f"  {name} chose {res['auto_chose']} ({' '.join(res.get('paths', []))}); observed kept fraction "
+              f"{res['kept_fraction'] if seen else 'none (flat assumption)'}", flush=True)
     del out
     gc.collect()
     if device == "cuda" and not graph:
@@ -289,8 +315,9 @@ def verdicts(results):
         best = min(peers, key=lambda r: r["ms"])
         auto = mine["ours auto"]
         exact = [r for n, r in mine.items() if "exact" in n and "graph" not in n]
-        line = (f"{shape}/{case}: auto {auto['ms']:.2f} ms = {auto['ms'] / best['ms']:.2f}x {best['method']} "
-                f"({best['ms']:.2f} ms), +{auto.get('extra_mib', float('nan')):.0f} MiB")
+        line = (f"{shape}/{case}: auto ({auto.get('auto_chose', '?')}, kept fraction "
+                f"{auto.get('kept_fraction')}) {auto['ms']:.2f} ms = {auto['ms'] / best['ms']:.2f}x "
+                f"{best['method']} ({best['ms']:.2f} ms), +{auto.get('extra_mib', float('nan')):.0f} MiB")
         comp = [r for r in peers if r["method"] == "torch.compile"]
         if exact and comp:
             e = min(exact, key=lambda r: r["ms"])
@@ -313,13 +340,15 @@ def main(argv=None):
     ap.add_argument("--budgets-mib", default="256,1024", help="memory budgets of the chunked rows")
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--tuning", default="", help="k=v,... CCETuning overrides for ours")
+    ap.add_argument("--auto-warmup", type=int, default=3,
+                    help="steps of the auto rows before the recorded one (the first observes the kept fraction)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU (Triton interpreter)")
     ap.add_argument("--impl", choices=["auto", "triton", "torch"], default=None,
                     help="our op's implementation (default: auto on the GPU, triton, i.e. the interpreter, with "
                          "--smoke on the CPU; auto on the CPU runs its torch reference, what CPU users get)")
     args = ap.parse_args(argv)
 
-    from comera_compile.kernels.linear_cross_entropy import CCETuning, cce_tuning
+    from comera_compile.kernels.linear_cross_entropy import CCETuning, cce_tuning, reset_kept_fractions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
@@ -345,13 +374,15 @@ def main(argv=None):
             for ci, case in enumerate(args.cases.split(",")):
                 x, w, t = make_inputs(case, N, D, V, device, dtype, shape in TRANSPOSED)
                 ref = reference(x, w, t)
+                reset_kept_fractions()  # another input case, another "model": auto observes it afresh
                 print(f"== {shape} (N,D,V)=({N},{D},{V}) case={case} ref loss={float(ref['loss']):.4f} "
                       f"floor={fl:.2f} ms", flush=True)
                 todo = [(n, f, False) for n, f in peers.items() if ci == 0]  # peers: data-independent
                 todo += [(n, f, g) for n, (f, g) in mine.items()]
                 for name, fn, graph in todo:
                     try:
-                        r = run_one(name, fn, x, w, t, ref, fl, args.rep_ms, device, graph)
+                        warm = args.auto_warmup if name.startswith("ours auto") and not graph else 0
+                        r = run_one(name, fn, x, w, t, ref, fl, args.rep_ms, device, graph, warm)
                     except Exception as e:  # noqa: BLE001
                         traceback.print_exc()
                         r = {"method": name, "error": f"{type(e).__name__}: {e}"[:300]}

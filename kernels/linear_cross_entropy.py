@@ -17,6 +17,12 @@ This module holds the op (``torch.library`` definition, fake, autograd) and the 
 memory budget, tuning and statistics — is in ``linear_cross_entropy_plan.py``; the drivers of the
 paths in ``linear_cross_entropy_paths.py``; the Triton kernels in ``linear_cross_entropy_kernels.py``.
 
+``strategy="auto"``: the public function (or the cce pass) plans a path by the cost model, and the
+op, told by its ``adaptive`` option that the plan was automatic, re-decides at run time between that
+path and the sparse one from the kept fraction observed on previous calls
+(``linear_cross_entropy_plan.runtime_strategy``): a compiled graph holds the plan as a constant,
+but the decision is made in the op's implementation, outside the traced graph.
+
 CUDA graphs: the op reads no device value on the host except in the sparse path, which is never
 taken while a CUDA graph is being captured (the backward then takes a static schedule). Targets
 are range-checked on the device (``torch._assert_async``, as eager's CUDA kernel asserts); on the
@@ -56,15 +62,18 @@ from .linear_cross_entropy_plan import (
     default_memory_budget,
     describe_logits,
     fused_loss_pays,
+    kept_fractions,
     logits_bytes,
     rates_for,
     record_cce_stats,
+    reset_kept_fractions,
+    runtime_strategy,
 )
 
 __all__ = [
     "CCEStats", "CCETuning", "FusedLossDecision", "LCEOptions", "cce_tuning", "choose_strategy",
-    "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "linear_cross_entropy",
-    "logits_bytes", "rates_for", "record_cce_stats",
+    "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "kept_fractions",
+    "linear_cross_entropy", "logits_bytes", "rates_for", "record_cce_stats", "reset_kept_fractions",
 ]
 
 OP = "comera::linear_cross_entropy"
@@ -93,6 +102,10 @@ class LCEOptions:
       filled in by :meth:`resolve`; ``memory_budget`` -1 (or None) for the default budget.
     * ``need_dx``, ``need_dw``, ``need_db``: the gradients to form (in the forward: those the
       chunked and fused paths may form there; in the backward: those to compute).
+    * ``adaptive``: ``strategy`` was planned by "auto" (not pinned): where the sparse path may run,
+      the op re-decides when it runs between the planned path and sparse rounds with the same
+      outputs, from the observed kept fraction (``runtime_strategy``). The output shapes still
+      follow ``strategy`` alone (:meth:`forms_grads`).
 
     The values are stored in the op's types (float, int, str, bool).
     """
@@ -110,6 +123,7 @@ class LCEOptions:
     need_dx: bool = False
     need_dw: bool = False
     need_db: bool = False
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         for name, valid in (("reduction", REDUCTIONS), ("backward", BACKWARDS), ("strategy", STRATEGIES),
@@ -131,7 +145,7 @@ class LCEOptions:
         typed = dict(softcap=softcap, ignore_index=int(self.ignore_index), label_smoothing=float(self.label_smoothing),
                      filter_eps=None if self.filter_eps is None else float(self.filter_eps),
                      deterministic=bool(self.deterministic), memory_budget=budget, need_dx=bool(self.need_dx),
-                     need_dw=bool(self.need_dw), need_db=bool(self.need_db))
+                     need_dw=bool(self.need_dw), need_db=bool(self.need_db), adaptive=bool(self.adaptive))
         for name, value in typed.items():
             object.__setattr__(self, name, value)
 
@@ -174,6 +188,12 @@ class LCEOptions:
         return dict(reduction=self.reduction, backward=self.backward, deterministic=self.deterministic,
                     memory_budget=None if self.memory_budget < 0 else self.memory_budget,
                     filter_eps=self.filter_eps)
+
+    def filters(self) -> bool:
+        """Whether the backward may filter tiles: "filtered" with a positive threshold, and not
+        softcap with label smoothing together (the smoothing term then sits in every tile)."""
+        return (self.backward == "filtered" and self.filter_eps is not None and self.filter_eps > 0.0
+                and not (self.label_smoothing > 0.0 and self.softcap > 0.0))
 
     def forms_grads(self, hidden, has_bias: bool) -> tuple[bool, bool, bool]:
         """Which of (dx, dw, db) the forward forms, for grad_output = 1: all asked for on the chunked
@@ -253,7 +273,7 @@ def _lce_op(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
     softcap: float, ignore_index: int, label_smoothing: float, reduction: str, backward: str,
     filter_eps: float, deterministic: bool, impl: str, strategy: str = "auto", memory_budget: int = -1,
-    need_dx: bool = False, need_dw: bool = False, need_db: bool = False,
+    need_dx: bool = False, need_dw: bool = False, need_db: bool = False, adaptive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32, lse fp32 [N], softcapped target logit fp32 [N], dx, dw, db); the arguments after
     the tensors are the fields of :class:`LCEOptions`, in order.
@@ -261,9 +281,12 @@ def _lce_op(
     With ``strategy="chunked"`` (and reduction "mean"/"sum") the gradients asked for by
     ``need_dx``/``need_dw``/``need_db`` are formed here, for ``grad_output = 1``; with "fused" and a
     small D (no label smoothing) dx is; the other outputs are empty and the backward recomputes.
+    With ``adaptive`` (a "chunked" planned by "auto") the gradients may instead be formed here by the
+    sparse rounds (:func:`_forward_path`).
     """
     o = LCEOptions.from_op_args((softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
-                                 deterministic, impl, strategy, memory_budget, need_dx, need_dw, need_db))
+                                 deterministic, impl, strategy, memory_budget, need_dx, need_dw, need_db,
+                                 adaptive))
     _check_tensors(x, weight, target, bias)
     N, V = x.shape[0], weight.shape[0]
     target = target.contiguous()
@@ -273,7 +296,13 @@ def _lce_op(
     budget = _budget(o.memory_budget, N, V)
     dx = dw = db = None
     forms = o.forms_grads(x.shape[1], bias is not None)
-    if o.strategy == "fused" and any(forms) and triton:
+    if any(forms) and triton and _forward_path(o, x, weight, budget) == "sparse":
+        # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles
+        lse, tz, nll = _triton_loss_terms(x, weight, target, bias, o, valid)
+        coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
+        dx, dw, db = recompute_backward("sparse", x, weight, target, bias, lse, tz, coefs, o.softcap,
+                                        o.label_smoothing, o.filter_eps, budget, *forms, phase="forward")
+    elif o.strategy == "fused" and any(forms) and triton:
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         lse, tz, dx = forward_dx_small_d(x, weight, target, bias, o.softcap, coefs)
         nll = torch.where(valid, lse - tz, torch.zeros((), device=x.device, dtype=torch.float32))
@@ -284,18 +313,40 @@ def _lce_op(
             x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing, budget, triton=triton,
             need_dx=forms[0], need_dw=forms[1], need_db=forms[2], phase="forward")
     elif triton:
-        lse, tz, zs = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing)
-        nll = lse - (1.0 - o.label_smoothing) * tz
-        if zs is not None:
-            nll = nll - (o.label_smoothing / V) * zs
-        nll = torch.where(valid, nll, torch.zeros((), device=x.device, dtype=torch.float32))
-        tz = torch.where(valid, tz, 0.0)
+        lse, tz, nll = _triton_loss_terms(x, weight, target, bias, o, valid)
     else:
         nll, lse, tz, *_ = chunked(x, weight, target, bias, None, o.softcap, o.ignore_index, o.label_smoothing,
                                    budget, triton=False, need_dx=False, need_dw=False, need_db=False,
                                    phase="forward")
     return (_reduce(nll, valid, o.reduction), lse, tz, dx if dx is not None else x.new_empty((0,)),
             dw if dw is not None else weight.new_empty((0,)), db if db is not None else x.new_empty((0,)))
+
+
+def _triton_loss_terms(x, weight, target, bias, o: LCEOptions, valid: torch.Tensor):
+    """(lse, target logit, per-token loss) fp32 [N] over Triton logits tiles (0 at ignored rows)."""
+    V = weight.shape[0]
+    lse, tz, zs = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing)
+    nll = lse - (1.0 - o.label_smoothing) * tz
+    if zs is not None:
+        nll = nll - (o.label_smoothing / V) * zs
+    nll = torch.where(valid, nll, torch.zeros((), device=x.device, dtype=torch.float32))
+    return lse, torch.where(valid, tz, 0.0), nll
+
+
+def _sparse_may_run(o: LCEOptions, x: torch.Tensor) -> bool:
+    """Sparse rounds may run (on the Triton paths): they can filter, need not be deterministic,
+    and no CUDA graph is being captured (they sync the host)."""
+    return o.filters() and not o.deterministic and not _capturing(x)
+
+
+def _forward_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
+    """Who forms the gradients of a forward that forms them on the Triton paths: "sparse" for a
+    "chunked" planned by "auto" when the observed kept fraction (or a probe) says so, else the
+    planned path."""
+    if o.strategy != "chunked" or not o.adaptive or not _sparse_may_run(o, x):
+        return o.strategy
+    return runtime_strategy("chunked", x.shape[0], x.shape[1], weight.shape[0], x.dtype,
+                            filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
 
 
 @_lce_op.register_fake
@@ -311,17 +362,25 @@ def _lce_fake(x, weight, target, bias, *options):
             bias.new_empty(bias.shape) if fb else x.new_empty((0,)))
 
 
-def _recompute_path(strategy: str, x: torch.Tensor, deterministic: bool, filtered: bool) -> str:
+def _recompute_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
     """The Triton recompute path of a backward: the one asked for, or for "auto" (and "chunked",
     when the forward did not form the gradient) the fused kernels for small D, sparse rounds when
     filtering can skip tiles, static chunks otherwise. Sparse rounds sync the host: under
-    CUDA-graph capture, or when they cannot filter or must be deterministic, static runs instead."""
+    CUDA-graph capture, or when they cannot filter or must be deterministic, static runs instead.
+    A "sparse" or "static" planned by "auto" (``adaptive``) takes the one of the two that the
+    observed kept fraction (or a probe) picks."""
+    strategy = o.strategy
     if strategy in ("auto", "chunked"):
         if x.shape[1] <= current_tuning().fused_max_d:
             return "fused"
         strategy = "sparse"
-    if strategy == "sparse" and (deterministic or not filtered or _capturing(x)):
+    if strategy not in ("sparse", "static"):
+        return strategy
+    if not _sparse_may_run(o, x):
         return "static"
+    if o.adaptive:
+        return runtime_strategy(strategy, x.shape[0], x.shape[1], weight.shape[0], x.dtype,
+                                filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
     return strategy
 
 
@@ -332,12 +391,14 @@ def _lce_backward_op(
     tz: torch.Tensor, softcap: float, ignore_index: int, label_smoothing: float, reduction: str,
     backward: str, filter_eps: float, deterministic: bool, impl: str,
     need_dx: bool, need_dw: bool, need_db: bool, strategy: str = "auto", memory_budget: int = -1,
+    adaptive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) by recomputing the logits; an output that is not needed comes back empty.
     The arguments after the tensors are the fields of :class:`LCEOptions` in this schema's order
     (:meth:`LCEOptions.backward_op_args`: the gradients to form before strategy and memory_budget)."""
     o = LCEOptions.from_backward_op_args((softcap, ignore_index, label_smoothing, reduction, backward, filter_eps,
-                                          deterministic, impl, need_dx, need_dw, need_db, strategy, memory_budget))
+                                          deterministic, impl, need_dx, need_dw, need_db, strategy, memory_budget,
+                                          adaptive))
     N, V = x.shape[0], weight.shape[0]
     target = target.contiguous()
     need_db = o.need_db and bias is not None
@@ -345,12 +406,9 @@ def _lce_backward_op(
     coefs = grad_coefs(grad_loss, grad_lse, valid, o.reduction, o.label_smoothing, V)
     budget = _budget(o.memory_budget, N, V)
     if use_triton(x, o.impl, op=OP) and N > 0:
-        # With softcap and label smoothing the smoothing term sits in every tile: nothing to skip.
-        filtered = (o.backward == "filtered" and o.filter_eps > 0.0
-                    and not (o.label_smoothing > 0.0 and o.softcap > 0.0))
-        path = _recompute_path(o.strategy, x, o.deterministic, filtered)
+        path = _recompute_path(o, x, weight, budget)
         dx, dw, db = recompute_backward(path, x, weight, target, bias, lse, tz, coefs, o.softcap,
-                                        o.label_smoothing, o.filter_eps if filtered else 0.0, budget,
+                                        o.label_smoothing, o.filter_eps if o.filters() else 0.0, budget,
                                         o.need_dx, o.need_dw, need_db)
     else:
         *_, dx, dw, db = chunked(x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing,
@@ -471,6 +529,16 @@ def linear_cross_entropy(
       H200's rates, or the torch reference at the CPU's), "chunked", "sparse", "static" or
       "fused" (see ``linear_cross_entropy_plan``); a path that does not apply falls back to one
       that does (e.g. "sparse" under CUDA-graph capture runs "static").
+      The sparse path's cost depends on how peaked the logits are: "auto" prices it at the fraction
+      of gradient tiles that the sparse path kept on previous calls of the same shape class
+      (vocabulary, hidden size, dtype, ``filter_eps``; a running average), or at a flat softmax's
+      (an untrained head) before any, and re-decides when the op runs, so a compiled graph follows
+      the observations too. Where sparse rounds may run (filtered, not deterministic, not under
+      CUDA-graph capture, the Triton paths) "auto" runs them as a probe on the first call of a shape
+      class and after ``CCETuning.probe_every`` (50) calls without them, to keep the observation
+      current. ``kept_fractions()`` shows the observations (a ``KeptFraction`` per ``ShapeClass``),
+      ``reset_kept_fractions()`` forgets them (e.g. between two models); a pinned strategy neither
+      probes nor follows them (a sparse run still reports what it kept).
     * ``memory_budget``: bytes of working memory beyond the inputs and gradients (default: 1/16 of
       the fp32 logits, at least 64 MiB); more memory buys larger chunks.
     * ``deterministic=True``: bitwise repeatable gradients (never the sparse path).
@@ -484,10 +552,13 @@ def linear_cross_entropy(
     options = options.resolve(x.dtype)
     grad = torch.is_grad_enabled()
     need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
-    if options.strategy == "auto" and any(need) and isinstance(x.shape[0], int):
-        options = dataclasses.replace(options, strategy=choose_strategy(
-            x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
-            rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args()))
+    if options.strategy == "auto":
+        # the plan (it fixes the op's outputs); the op re-decides at run time (adaptive)
+        options = dataclasses.replace(options, adaptive=True)
+        if any(need) and isinstance(x.shape[0], int):
+            options = dataclasses.replace(options, strategy=choose_strategy(
+                x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
+                rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args()))
     options = options.with_needs(*need)
     loss, lse, *_ = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())
     return (loss, lse) if return_lse else loss

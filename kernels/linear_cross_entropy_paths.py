@@ -14,7 +14,15 @@ from typing import Optional
 import torch
 
 from .dispatch import HAS_TRITON, dot_precision
-from .linear_cross_entropy_plan import FORWARD_DX_MAX_D, CCEStats, CCETuning, chunk_plan, current_tuning, record
+from .linear_cross_entropy_plan import (
+    FORWARD_DX_MAX_D,
+    CCEStats,
+    CCETuning,
+    chunk_plan,
+    current_tuning,
+    observe_kept_fraction,
+    record,
+)
 
 if HAS_TRITON:
     from .linear_cross_entropy_kernels import (
@@ -497,10 +505,12 @@ class _SparseRounds:
             **self.cons)
 
 
-def _sparse(bw: _Backward) -> None:
+def _sparse(bw: _Backward, phase: str = "backward") -> None:
     """Sparse rounds: kept tiles go to a bounded buffer and are reduced by the dx/dw kernels. When
     two rounds in a row keep most tiles, or after ``dense_after_rounds`` rounds, the rest of the
-    vocabulary goes through static chunks. One host sync per round (never under capture)."""
+    vocabulary goes through static chunks. One host sync per round (never under capture). The
+    fraction of tiles kept over the blocks the rounds covered goes to ``observe_kept_fraction``
+    (host integers the rounds' syncs already read: no extra sync)."""
     sp = _SparseRounds(bw)
     cfg = bw.cfg
     rounds = kept_total = vb_start = dense_streak = 0
@@ -521,10 +531,11 @@ def _sparse(bw: _Backward) -> None:
         dense_streak = dense_streak + 1 if n_kept > cfg.dense_density * sp.num_tb * done else 0
         if dense_streak >= 2 or rounds >= cfg.dense_after_rounds:
             break
-    tiles, nvb, BN = sp.num_tb * sp.nvb, sp.nvb, sp.BN
+    tiles, nvb, BN, covered = sp.num_tb * sp.nvb, sp.nvb, sp.BN, sp.num_tb * vb_start
     del sp  # free the tile buffer before the static chunks
     chunks = _static(bw, vb_start * BN, continuing=rounds > 0) if vb_start < nvb else 0
-    record(CCEStats(phase="backward", path="sparse", chunks=chunks, sparse_rounds=rounds,
+    observe_kept_fraction(bw.V, bw.D, bw.x.dtype, bw.filter_eps, kept_total, covered)
+    record(CCEStats(phase=phase, path="sparse", chunks=chunks, sparse_rounds=rounds,
                     tiles=tiles, kept_tiles=kept_total, sparse_blocks=vb_start))
 
 
@@ -589,7 +600,7 @@ def _reduce_chunk(bw: _Backward, gc: torch.Tensor, c0: int, c1: int, acc: Option
             bw.db.index_copy_(0, cols, part.to(bw.db.dtype))
 
 
-def _fused(bw: _Backward) -> None:
+def _fused(bw: _Backward, phase: str = "backward") -> None:
     """dX by token block (vocabulary split across programs, fp32 partials summed on the host) and
     dW/dB by vocabulary block, each recomputing the tiles it needs: nothing gradient-sized is
     written, no atomics, a schedule fixed by the shapes. Fast for small D; larger D is split into
@@ -627,20 +638,22 @@ def _fused(bw: _Backward) -> None:
             HAS_DB=bw.need_db, **tiles)
         if bw.need_db:
             bw.db.copy_(dbf - bw.bsmooth if bw.smooth_vec else dbf)
-    record(CCEStats(phase="backward", path="fused"))
+    record(CCEStats(phase=phase, path="fused"))
 
 
 def recompute_backward(path: str, x, weight, target, bias, lse, tz, coefs: GradCoefs, softcap: float,
                        label_smoothing: float, filter_eps: float, budget: int,
-                       need_dx: bool, need_dw: bool, need_db: bool):
-    """(dx, dw, db) by one of the Triton recompute paths: "sparse", "static" or "fused"."""
+                       need_dx: bool, need_dw: bool, need_db: bool, phase: str = "backward"):
+    """(dx, dw, db) by one of the Triton recompute paths: "sparse", "static" or "fused". ``phase``
+    names the call in its :class:`CCEStats`: "forward" when the forward forms the gradient (for
+    ``grad_output = 1``) by sparse rounds in place of the chunked path."""
     bw = _Backward(x, weight, target, bias, lse, tz, coefs, softcap, label_smoothing, filter_eps,
                    budget, need_dx, need_dw, need_db, order=path == "sparse")
     if path == "sparse":
-        _sparse(bw)
+        _sparse(bw, phase)
     elif path == "fused":
-        _fused(bw)
+        _fused(bw, phase)
     else:
         chunks = _static(bw)
-        record(CCEStats(phase="backward", path="static", chunks=chunks))
+        record(CCEStats(phase=phase, path="static", chunks=chunks))
     return bw.outputs()

@@ -27,6 +27,25 @@ path is not expected to be slower) or "memory" (the default: also when the logit
 ``logits_bytes``, exceed a threshold and the best path is at most ``MEMORY_POLICY_SLOWDOWN`` times
 slower); ``decide_fused_loss`` gives both answers for one head from one run of the model (a
 :class:`FusedLossDecision`, what the cce pass uses).
+
+The sparse path's cost depends on the fraction of gradient tiles its filter keeps, a property of the
+model's logits, not of the shapes: flat (an untrained head, :func:`estimate_seconds`'s assumption when
+it is given none) or peaked (a trained one: far fewer tiles). Every sparse backward reports the
+fraction it kept (:func:`observe_kept_fraction`) to a process-wide, thread-safe store keyed by the
+shape class (:class:`ShapeClass`: vocabulary, hidden size, dtype, filter_eps), which keeps a running
+estimate (:class:`KeptFraction`, an exponential moving average); :func:`kept_fractions` shows it,
+:func:`reset_kept_fractions` clears it. :func:`choose_strategy` prices the sparse path at the observed
+fraction when there is one. A call planned by ``strategy="auto"`` (the op's ``adaptive`` option: the
+public function's "auto", the cce pass unless ``cce_strategy`` pins a path) re-decides at run time,
+inside the op and outside any traced graph, by :func:`runtime_strategy`: among the paths whose outputs
+are those of the planned one ("chunked" or sparse rounds run in the forward when the plan formed the
+gradient there; "static" or sparse rounds in the backward otherwise), at the observed fraction. A
+call that does not run sparse measures nothing (counting the kept tiles on another path would need a
+host read that path does not make, and the other paths visit the vocabulary in another order), so
+the first call of a shape class, and one after ``CCETuning.probe_every`` calls without an
+observation, runs sparse rounds: a probe. Neither happens where the sparse path may not run (an
+exact backward, ``deterministic``, CUDA-graph capture, softcap with label smoothing, the torch
+reference); there the plan runs as it is.
 """
 
 from __future__ import annotations
@@ -36,16 +55,18 @@ import dataclasses
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
 __all__ = [
-    "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "MEMORY_POLICY_SLOWDOWN", "PATHS",
-    "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision", "H200",
-    "ReferenceRates", "cce_tuning", "choose_strategy", "chunk_plan", "current_tuning", "decide_fused_loss",
-    "default_filter_eps", "default_memory_budget", "describe_logits", "estimate_seconds", "format_bytes",
-    "fused_loss_pays", "logits_bytes", "rates_for", "record", "record_cce_stats",
+    "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
+    "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision",
+    "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "cce_tuning", "choose_strategy", "chunk_plan",
+    "current_tuning", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
+    "estimate_seconds", "format_bytes", "fused_loss_pays", "kept_fractions", "logits_bytes",
+    "observe_kept_fraction", "observed_kept_fraction", "rates_for", "record", "record_cce_stats",
+    "reset_kept_fractions", "runtime_strategy",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -119,6 +140,10 @@ class CCETuning:
     fused_dx_waves: int = 8
     rows_block_v: int = 4096
     rows_warps: int = 8
+    # Calls planned by strategy="auto" run the sparse path (a probe, to measure the kept fraction:
+    # see the module doc) when this many calls of their shape class passed without it: at most its
+    # extra time on one step in 50 where it does not pay (~1 % at the Llama-3 head, flat logits).
+    probe_every: int = 50
 
     def fit(self, dtype: torch.dtype, on_gpu: bool, hidden: int) -> "CCETuning":
         """Tiles for this dtype and hidden size.
@@ -224,6 +249,91 @@ def record(stats: CCEStats) -> None:
     with _LOCK:
         for records in _RECORDERS:
             records.append(stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Observed kept fractions (see the module doc)
+# ---------------------------------------------------------------------------------------------
+
+# The weight of a new observation in the running estimate, per call: the kept fraction drifts
+# slowly as a model trains and varies little between batches, so the estimate follows the last few
+# calls. An observation after n calls that observed nothing (a probe) weighs 1 - (1 - KEPT_EMA)**n:
+# the estimate is an average over calls, the silent ones holding the value they saw.
+KEPT_EMA = 0.5
+
+
+class ShapeClass(NamedTuple):
+    """The key of an observed kept fraction: the head's vocabulary and hidden sizes, the inputs'
+    dtype and the filter's threshold (the resolved ``filter_eps``). The token count is not part of
+    it: the fraction is a property of the logits' distribution, not of how many rows there are."""
+
+    vocab: int
+    hidden: int
+    dtype: torch.dtype
+    filter_eps: float
+
+
+@dataclass(frozen=True)
+class KeptFraction:
+    """What the sparse path observed for one :class:`ShapeClass`: ``fraction``, the running
+    estimate (an exponential moving average over calls, see :data:`KEPT_EMA`) of the gradient tiles
+    its filter kept over the vocabulary blocks its rounds covered (the densest blocks come first, so
+    rounds that stop early overstate it: the safe side); ``last``, the latest observation;
+    ``observations``, how many were folded in."""
+
+    fraction: float
+    last: float
+    observations: int
+
+
+_KEPT: dict[ShapeClass, KeptFraction] = {}
+_CALLS: dict[ShapeClass, int] = {}  # calls planned by "auto" since the last observation
+
+
+def _shape_class(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> ShapeClass:
+    return ShapeClass(int(vocab), int(hidden), dtype, float(filter_eps))
+
+
+def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float,
+                          kept_tiles: int, tiles: int) -> None:
+    """Fold one sparse backward's count into the estimate of its shape class: ``kept_tiles`` of the
+    ``tiles`` of the vocabulary blocks its rounds covered (the sparse path calls it; no-op for 0)."""
+    if tiles <= 0:
+        return
+    key = _shape_class(vocab, hidden, dtype, filter_eps)
+    seen = min(1.0, max(0.0, kept_tiles / tiles))
+    with _LOCK:
+        old = _KEPT.get(key)
+        weight = 1.0 - (1.0 - KEPT_EMA) ** max(1, _CALLS.pop(key, 0))
+        fraction = seen if old is None else (1.0 - weight) * old.fraction + weight * seen
+        _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1)
+
+
+def observed_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype,
+                           filter_eps: Optional[float] = None) -> Optional[float]:
+    """The running estimate of the kept fraction for this shape class (``filter_eps`` None: the
+    dtype's default), or None when none was observed, or while Dynamo traces: a traced graph is
+    planned from the shapes alone and the op re-decides at run time (:func:`runtime_strategy`)."""
+    if torch.compiler.is_compiling():
+        return None
+    eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
+    with _LOCK:
+        seen = _KEPT.get(_shape_class(vocab, hidden, dtype, eps))
+    return seen.fraction if seen is not None else None
+
+
+def kept_fractions() -> dict[ShapeClass, KeptFraction]:
+    """A snapshot of every observed kept fraction, by shape class."""
+    with _LOCK:
+        return dict(_KEPT)
+
+
+def reset_kept_fractions() -> None:
+    """Forget every observation (e.g. before benchmarking another model): ``strategy="auto"`` then
+    prices the sparse path at the flat-softmax assumption again, and probes it on its next call."""
+    with _LOCK:
+        _KEPT.clear()
+        _CALLS.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,12 +478,16 @@ def _reference_seconds(N: int, D: int, V: int, dtype: torch.dtype, budget: int, 
 def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                      backward: str = "filtered", memory_budget: Optional[int] = None,
                      filter_eps: Optional[float] = None, rates: "DeviceRates | ReferenceRates" = H200,
-                     training: bool = True, upcast: bool = False) -> dict[str, float]:
+                     training: bool = True, upcast: bool = False,
+                     kept_fraction: Optional[float] = None) -> dict[str, float]:
     """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
     unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``). ``upcast``: the
     unfused loss casts half-precision logits to fp32 first (``logits.float()``), which costs
     Inductor fp32 logits traffic on the GPU (counted as two more passes over the half logits; on
-    the CPU its kernels compute in fp32 either way)."""
+    the CPU its kernels compute in fp32 either way). ``kept_fraction``: the fraction of gradient
+    tiles the sparse path's filter keeps (e.g. :func:`observed_kept_fraction`); None assumes a
+    flat softmax (N(0, 1) logits, an untrained head: the most tiles kept). The torch reference
+    (``ReferenceRates``) has no sparse path and ignores it."""
     N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
     budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
     if isinstance(rates, ReferenceRates):
@@ -408,7 +522,8 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
         out["fused"] = (1 + 2 * math.ceil(D / tun.fused_max_d)) * tile_pass + 10 * launch
     if backward == "filtered":
         eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
-        kept = _flat_kept_fraction(V, eps)
+        kept = (min(1.0, max(0.0, float(kept_fraction))) if kept_fraction is not None
+                else _flat_kept_fraction(V, eps))
         if kept > tun.dense_density:  # two dense rounds, then the rest as static
             out["sparse"] = out["static"] + 2 * rates.sync_s + 2 * tile_pass * tun.dense_density
         else:
@@ -441,17 +556,50 @@ def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
                     reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
                     memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
                     capture: bool = False, lse_grad: bool = False,
-                    rates: "DeviceRates | ReferenceRates" = H200) -> str:
+                    rates: "DeviceRates | ReferenceRates" = H200,
+                    kept_fraction: Optional[float] = None) -> str:
     """The fastest path for a training step by the cost model, among those that apply.
 
     ``capture``: the step runs under CUDA graphs (no sparse rounds); ``lse_grad``: the caller may
-    differentiate the lse (no chunked path). ``n_tokens`` may be a size hint.
+    differentiate the lse (no chunked path). ``n_tokens`` may be a size hint. ``kept_fraction``:
+    the sparse path's kept fraction; None takes the one observed on previous calls of this shape
+    class (:func:`observed_kept_fraction`) when there is one, else the flat-softmax assumption.
     """
+    if kept_fraction is None and backward == "filtered":
+        kept_fraction = observed_kept_fraction(vocab, hidden, dtype, filter_eps)
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
-                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates)
+                             memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
+                             kept_fraction=kept_fraction)
     allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
                        capture=capture, lse_grad=lse_grad)
     return min(allowed, key=allowed.get)
+
+
+def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
+                     filter_eps: float, memory_budget: Optional[int] = None,
+                     rates: DeviceRates = H200) -> str:
+    """The path a call planned by ``strategy="auto"`` runs, decided when it runs (inside the op,
+    after any tracing), where the sparse path may run (the caller checks: a filtered backward that
+    can filter, not deterministic, not under CUDA-graph capture, the Triton paths).
+
+    The choice is between "sparse" and the path with the planned one's outputs: "chunked" when
+    ``planned`` is "chunked" (the gradient formed in the forward: sparse rounds then run in the
+    forward, for ``grad_output = 1``, as chunked does), "static" otherwise (the backward
+    recomputes). It is the cheaper one by :func:`estimate_seconds` at the kept fraction observed
+    for this shape class; with no observation yet, or when ``CCETuning.probe_every`` calls have
+    passed without one, "sparse" (a probe: only the sparse path measures the fraction). Reads and
+    counts host-side Python state only (no device value).
+    """
+    other = "chunked" if planned == "chunked" else "static"
+    key = _shape_class(vocab, hidden, dtype, filter_eps)
+    with _LOCK:
+        seen = _KEPT.get(key)
+        calls = _CALLS[key] = _CALLS.get(key, 0) + 1
+    if seen is None or calls >= max(1, current_tuning().probe_every):
+        return "sparse"
+    costs = estimate_seconds(n_tokens, hidden, vocab, dtype, memory_budget=memory_budget,
+                             filter_eps=filter_eps, rates=rates, kept_fraction=seen.fraction)
+    return "sparse" if costs["sparse"] < costs[other] else other
 
 
 def logits_bytes(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:

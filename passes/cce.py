@@ -627,7 +627,9 @@ def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDeci
     read it). Pays: by the user's ``cce_min_vocab`` when set, else by the op's cost rule under
     ``cce_policy``, at the rates of what will run the op (its Triton paths or its torch reference).
     The path: the user's ``cce_strategy`` when pinned; else, in training, the cost model's;
-    inference lets the op decide ("auto")."""
+    inference lets the op decide ("auto"). An unpinned path is a plan: the op re-decides between it and
+    the sparse path when it runs, from the kept fraction observed on previous steps (``_build`` sets the
+    op's ``adaptive`` option; ``linear_cross_entropy_plan.runtime_strategy``)."""
     opts = ctx.options
     vocab = head.proj.vocab()
     n_tokens, dtype = math.prod(size_hint(s) for s in fake(head.target).shape), _projection_dtype(head)
@@ -675,7 +677,8 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
     if b is not None and fake(b).dtype != dtype and not chain_bias_fp32:
         b = emit.method("to", b, dtype)
     needs = [ctx.training and isinstance(fake(t), torch.Tensor) and fake(t).requires_grad for t in (h, w, b)]
-    call = dataclasses.replace(options.with_needs(*needs), strategy=decision.strategy)
+    call = dataclasses.replace(options.with_needs(*needs), strategy=decision.strategy,
+                               adaptive=ctx.options.cce_strategy == "auto")
     fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b, *call.op_args())
     loss = emit.function(operator.getitem, fused, 0)
     expected = fake(head.loss)

@@ -1,0 +1,318 @@
+"""strategy="auto" of comera::linear_cross_entropy follows the kept fraction the sparse path observed
+on previous calls (not the flat-softmax assumption): the cost model, the observation store, the
+run-time choice inside the op (eager and compiled), against float64 references (CPU; Triton
+interpreter for the op)."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comera_compile.kernels.linear_cross_entropy as lce
+from comera_compile.kernels.linear_cross_entropy import (
+    cce_tuning,
+    choose_strategy,
+    kept_fractions,
+    linear_cross_entropy,
+    record_cce_stats,
+    reset_kept_fractions,
+)
+from comera_compile.kernels.linear_cross_entropy_plan import (
+    H200,
+    KEPT_EMA,
+    DeviceRates,
+    ShapeClass,
+    default_filter_eps,
+    estimate_seconds,
+    observe_kept_fraction,
+    observed_kept_fraction,
+    runtime_strategy,
+)
+
+LLAMA = (8192, 4096, 128256)  # the Llama-3 8B head of the issue
+BF16 = torch.bfloat16
+N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
+# Rates under which this small head prices like the Llama-3 head on the H200 (FLOP-bound, no fixed
+# costs): flat logits pick "chunked", a kept fraction below ~0.22 picks "sparse".
+SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
+SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
+                   bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
+                   fused_block_m=16, fused_block_n=32)
+TOL = 1e-5  # the tolerance of the fused loss's fp32 tests; the filter drops entries below 2**-28 here
+
+
+@pytest.fixture(autouse=True)
+def _fresh_observations():
+    reset_kept_fractions()
+    yield
+    reset_kept_fractions()
+
+
+@pytest.fixture
+def scaled_rates(monkeypatch):
+    """The op (public function and run-time choice) prices its Triton paths at SCALED; small tiles,
+    so that this head has 4 x 16 gradient tiles."""
+    cpu = lce.rates_for(False)
+    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    with cce_tuning(**SMALL_TILES) as tuning:
+        yield tuning
+
+
+def _flat(seed=0):
+    """N(0, 1) logits: an untrained head, the filter keeps every tile."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    return x, w, torch.randint(0, V, (N,), generator=g)
+
+
+def _peaked(seed=0):
+    """A trained-like head: a steep unigram prior in one hidden direction (frequent words first),
+    targets among the frequent words, hidden states pointing at their target's row: the softmax
+    of every row is below 2**-28 beyond the first ~25 words, so the filter keeps ~1/8 of the tiles."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    w[:, 0] = torch.linspace(8.0, -192.0, V)
+    t = torch.randint(0, 12, (N,), generator=g)
+    x = 3.0 * w[t] + torch.randn(N, D, generator=g) / D**0.5
+    x[:, 0] = 1.0
+    return x, w, t
+
+
+def _ref64(x, w, t):
+    xd, wd = (a.detach().double().requires_grad_() for a in (x, w))
+    loss = F.cross_entropy(xd @ wd.T, t)
+    return (loss.detach(),) + torch.autograd.grad(loss, (xd, wd))
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _step(fn, x, w, t):
+    """One training step of ``fn`` checked against float64; returns the (phase, path) it ran."""
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with record_cce_stats() as stats:
+        loss = fn(xr, wr, t)
+        grads = torch.autograd.grad(loss, (xr, wr))
+    ref = _ref64(x, w, t)
+    for got, exp, name in zip((loss,) + grads, ref, ("loss", "dx", "dw")):
+        assert _rel(got, exp) < TOL, (name, _rel(got, exp), stats)
+    return [(s.phase, s.path) for s in stats]
+
+
+def _auto(x, w, t):
+    return linear_cross_entropy(x, w, t, impl="triton")
+
+
+CHUNKED = [("forward", "chunked")]
+SPARSE_IN_FORWARD = [("forward", "triton"), ("forward", "sparse")]  # the chunked plan's outputs
+SPARSE = [("forward", "triton"), ("backward", "sparse")]
+EPS32 = default_filter_eps(torch.float32)
+
+
+# --- the cost model --------------------------------------------------------------------------------
+
+def test_an_observed_kept_fraction_flips_the_llama_head_to_sparse():
+    """On the H200's rates the Llama-3 head takes "chunked" at the flat assumption (half the tiles
+    kept), "sparse" once peaked steps were observed; the rules of _allowed stay as they were."""
+    eps = default_filter_eps(BF16)
+    assert choose_strategy(*LLAMA, BF16, rates=H200) == "chunked"
+    flat, peaked = (estimate_seconds(*LLAMA, BF16, rates=H200, kept_fraction=k) for k in (None, 0.1))
+    assert flat["sparse"] > flat["chunked"] and peaked["sparse"] < peaked["chunked"]
+    assert estimate_seconds(*LLAMA, BF16, rates=H200, kept_fraction=0.48) == pytest.approx(flat)
+    assert choose_strategy(*LLAMA, BF16, rates=H200, kept_fraction=0.1) == "sparse"
+    assert choose_strategy(*LLAMA, BF16, rates=H200, kept_fraction=0.6) == "chunked"
+    for _ in range(3):  # three peaked steps of the sparse path: 10 % of 64 x 1002 tiles
+        observe_kept_fraction(LLAMA[2], LLAMA[1], BF16, eps, 6412, 64 * 1002)
+    seen = kept_fractions()[ShapeClass(LLAMA[2], LLAMA[1], BF16, eps)]
+    assert seen.observations == 3 and seen.fraction == pytest.approx(0.1, abs=1e-3)
+    assert observed_kept_fraction(LLAMA[2], LLAMA[1], BF16) == seen.fraction
+    assert choose_strategy(*LLAMA, BF16, rates=H200) == "sparse"
+    # another threshold, another dtype, or another head is another shape class: still flat
+    assert choose_strategy(*LLAMA, BF16, rates=H200, filter_eps=eps / 2) == "chunked"
+    assert choose_strategy(LLAMA[0], 2048, LLAMA[2], BF16, rates=H200) == "chunked"
+    # deterministic, capture, an exact backward: never sparse; fp16: never chunked (sparse pays here)
+    assert choose_strategy(*LLAMA, BF16, rates=H200, deterministic=True) == "chunked"
+    assert choose_strategy(*LLAMA, BF16, rates=H200, backward="exact") == "chunked"
+    assert choose_strategy(*LLAMA, BF16, rates=H200, capture=True) == "static"
+    assert choose_strategy(*LLAMA, torch.float16, rates=H200) == "static"
+    assert choose_strategy(*LLAMA, torch.float16, rates=H200, kept_fraction=0.1) == "sparse"
+    reset_kept_fractions()
+    assert kept_fractions() == {} and choose_strategy(*LLAMA, BF16, rates=H200) == "chunked"
+
+
+def test_the_store_is_a_thread_safe_running_average():
+    assert observed_kept_fraction(V, D, torch.float32) is None
+    observe_kept_fraction(V, D, torch.float32, EPS32, 0, 0)  # nothing covered: no observation
+    assert kept_fractions() == {}
+    observe_kept_fraction(V, D, torch.float32, EPS32, 8, 8)
+    observe_kept_fraction(V, D, torch.float32, EPS32, 0, 8)
+    seen = kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)]
+    assert (seen.fraction, seen.last, seen.observations) == (1.0 - KEPT_EMA, 0.0, 2)
+
+    def feed():
+        for _ in range(200):
+            observe_kept_fraction(V, 2 * D, torch.float32, EPS32, 3, 12)
+
+    threads = [threading.Thread(target=feed) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    seen = kept_fractions()[ShapeClass(V, 2 * D, torch.float32, EPS32)]
+    assert seen.observations == 800 and seen.fraction == pytest.approx(0.25)
+
+
+def test_runtime_strategy_probes_then_follows_the_observation():
+    """With no observation the run-time choice probes the sparse path; then it takes the cheaper
+    path at the observed fraction, and probes again after probe_every calls without one. An
+    observation after n silent calls weighs 1 - (1 - KEPT_EMA)**n."""
+    args = (N, D, V, torch.float32)
+    kw = dict(filter_eps=EPS32, rates=SCALED)
+    with cce_tuning(probe_every=4):
+        assert runtime_strategy("chunked", *args, **kw) == "sparse"  # nothing observed: a probe
+        observe_kept_fraction(V, D, torch.float32, EPS32, 64, 64)  # flat: every tile kept
+        assert [runtime_strategy("chunked", *args, **kw) for _ in range(4)] == ["chunked"] * 3 + ["sparse"]
+        assert runtime_strategy("chunked", *args, **kw) == "sparse"  # until the probe's observation comes
+        observe_kept_fraction(V, D, torch.float32, EPS32, 64, 64)
+        assert [runtime_strategy("static", *args, **kw) for _ in range(3)] == ["static"] * 3
+        observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64)  # peaked, after 3 silent calls
+        fraction = kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)].fraction
+        assert fraction == pytest.approx((1 - KEPT_EMA)**3 + (1 - (1 - KEPT_EMA)**3) * 0.125)
+        # 0.23: sparse is cheaper than static, not yet than chunked
+        assert [runtime_strategy(p, *args, **kw) for p in ("static", "chunked")] == ["sparse", "chunked"]
+        observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64)
+        assert [runtime_strategy(p, *args, **kw) for p in ("chunked", "static", "sparse")] == ["sparse"] * 3
+
+
+# --- the op: eager and compiled --------------------------------------------------------------------
+
+def test_auto_flips_from_chunked_to_sparse_after_peaked_steps(scaled_rates):
+    """Training starts flat and becomes peaked. The first step probes the sparse path (it forms the
+    chunked plan's gradients in the forward), which observes every tile kept: "chunked" then; the
+    peaked steps take chunked until the next probe observes the peaked fraction, then sparse. Every
+    step matches float64, whichever path it took."""
+    flat, peaked = _flat(), _peaked()
+    with cce_tuning(probe_every=4):
+        paths = [_step(_auto, *flat), _step(_auto, *flat), _step(_auto, *flat)]
+        assert paths == [SPARSE_IN_FORWARD, CHUNKED, CHUNKED]
+        assert kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)].fraction == 1.0
+        paths = [_step(_auto, *peaked), _step(_auto, *peaked), _step(_auto, *peaked)]
+    assert paths == [CHUNKED, SPARSE_IN_FORWARD, SPARSE], paths  # the 4th call since the probe probes
+    seen = kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)]
+    assert seen.last <= 0.15 and seen.fraction < 0.2, seen
+    assert choose_strategy(N, D, V, torch.float32, rates=SCALED) == "sparse"
+
+
+def test_a_compiled_graph_follows_the_observations(scaled_rates):
+    """Under torch.compile the plan is traced as a constant ("chunked": no observation is read
+    while tracing), yet the op decides when it runs: sparse rounds in its forward while the
+    observed fraction is peaked, chunked once it is flat; one compilation."""
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    fn = torch.compile(_auto, backend=backend)
+    peaked, flat = _peaked(), _flat()
+    observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64)  # as if peaked steps had run
+    assert _step(fn, *peaked) == SPARSE_IN_FORWARD
+    assert _step(fn, *peaked) == SPARSE_IN_FORWARD
+    reset_kept_fractions()
+    assert _step(fn, *flat) == SPARSE_IN_FORWARD  # nothing observed: a probe, which finds it flat
+    assert _step(fn, *flat) == CHUNKED
+    assert len(compiles) == 1
+    (op,) = [n for n in compiles[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
+    planned = lce.LCEOptions.from_op_args(op.args[4:])
+    assert planned.strategy == "chunked" and planned.adaptive
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(reduction="sum", label_smoothing=0.1),
+                                dict(softcap=20.0, ignore_index=3), dict(softcap=20.0, label_smoothing=0.1)])
+def test_the_chunked_plan_formed_by_sparse_rounds_matches_float64(scaled_rates, kw):
+    """The first call of an automatic "chunked" plan probes: sparse rounds form the gradients in the
+    forward (for grad_output = 1; the backward scales them), with a bias, reduction "sum", label
+    smoothing, softcap and ignored rows; softcap with label smoothing cannot filter and stays chunked."""
+    x, w, t = _peaked(seed=1)
+    t[[5, 17]] = kw.get("ignore_index", -100)
+    b = torch.randn(V, generator=torch.Generator().manual_seed(2))
+    leaves = [a.clone().requires_grad_() for a in (x, w, b)]
+    go = torch.tensor(1.7)
+    with record_cce_stats() as stats:
+        loss = linear_cross_entropy(*leaves[:2], t, leaves[2], impl="triton", **kw)
+        grads = torch.autograd.grad(loss, leaves, go)
+    filters = not (kw.get("softcap") and kw.get("label_smoothing"))
+    assert [(s.phase, s.path) for s in stats] == (SPARSE_IN_FORWARD if filters else CHUNKED), stats
+    ref = [a.detach().double().requires_grad_() for a in (x, w, b)]
+    z = ref[0] @ ref[1].T + ref[2]
+    if kw.get("softcap"):
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    ref_loss = F.cross_entropy(z, t, **{k: v for k, v in kw.items() if k != "softcap"})
+    assert _rel(loss, ref_loss) < TOL
+    for got, exp, name in zip(grads, torch.autograd.grad(ref_loss, ref, go.double()), "xwb"):
+        assert _rel(got, exp) < TOL, (name, _rel(got, exp))
+
+
+def test_pinned_strategies_do_not_follow_the_observations(scaled_rates):
+    """A pinned path runs as asked whatever was observed, and probes nothing; a pinned sparse
+    backward still reports what it kept."""
+    observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64)
+    peaked = _peaked()
+    assert _step(lambda x, w, t: linear_cross_entropy(x, w, t, impl="triton", strategy="chunked"),
+                 *peaked) == CHUNKED
+    assert _step(lambda x, w, t: linear_cross_entropy(x, w, t, impl="triton", strategy="static"),
+                 *peaked) == [("forward", "triton"), ("backward", "static")]
+    reset_kept_fractions()
+    assert _step(lambda x, w, t: linear_cross_entropy(x, w, t, impl="triton", strategy="sparse"),
+                 *peaked) == SPARSE
+    assert kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)].last <= 0.15
+
+
+_SYNCS = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("case", ["deterministic", "exact", "capture", "dense"])
+def test_no_probe_and_no_sync_where_sparse_may_not_run(scaled_rates, monkeypatch, case):
+    """Deterministic, an exact backward, CUDA-graph capture: auto never probes the sparse path and
+    reads no device value on the host; neither does a call that follows a dense observation."""
+    kw = {"deterministic": dict(deterministic=True), "exact": dict(backward="exact")}.get(case, {})
+    if case == "capture":
+        monkeypatch.setattr(lce, "_capturing", lambda x: True)
+    if case == "dense":
+        observe_kept_fraction(V, D, torch.float32, EPS32, 64, 64)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    with monkeypatch.context() as patch:
+        for name in _SYNCS:
+            patch.setattr(torch.Tensor, name, no_sync)
+        xr, wr = (a.clone().requires_grad_() for a in _peaked()[:2])
+        t = _peaked()[2]
+        with record_cce_stats() as stats:
+            loss = linear_cross_entropy(xr, wr, t, impl="triton", **kw)
+            grads = torch.autograd.grad(loss, (xr, wr))
+    assert "sparse" not in {s.path for s in stats}, stats
+    assert len(kept_fractions()) == (1 if case == "dense" else 0)
+    for got, exp in zip((loss,) + grads, _ref64(*_peaked())):
+        assert _rel(got, exp) < TOL
+
+
+@pytest.mark.parametrize("pinned", [None, "chunked"])
+def test_the_cce_pass_plans_an_adaptive_call_unless_pinned(pinned):
+    """The cce pass fixes the op's plan at compile time; an unpinned plan (cce_strategy "auto") is
+    marked adaptive, so the op re-decides when it runs; a pinned one is not."""
+    import comera_compile as cc
+
+    head = torch.nn.Linear(12, 37, bias=False)
+    x, y = torch.randn(8, 12), torch.randint(0, 37, (8,))
+    options = {"inner": "eager", "cce_min_vocab": 0, **({"cce_strategy": pinned} if pinned else {})}
+    report = cc.explain(lambda x, y: F.cross_entropy(head(x), y), x, y, options=options)
+    (op,) = [n for n in report.graphs[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
+    planned = lce.LCEOptions.from_op_args(op.args[4:])
+    assert planned.adaptive == (pinned is None) and planned.need_dw
