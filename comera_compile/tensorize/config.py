@@ -20,7 +20,9 @@ class TTConfig:
 
     * ``rank``: an int (every internal bond) or a per-bond list (``d - 1`` entries, or ``d + 1``
       with 1 at both ends). Bonds are capped where a larger rank cannot help (the product of the
-      modes on either side). With ``init="svd"`` and ``svd_tol`` it is the cap.
+      modes on either side). With ``init="svd"`` and ``svd_tol`` it is the cap. Default 32: in the
+      quality benchmark (a GPT at d 768, its blocks tensorized) TT-matrix rank 32 beat the dense
+      model of its size by 0.3 nats, rank 16 lost to it.
     * ``fmt``: ``"tt"`` (input modes then output modes, CoMERA's linear format), ``"ttm"``
       (TT-matrix / MPO) or ``"auto"`` (default: ``"ttm"`` for every layer). Measured on a GPT (d 768,
       BPE 16k) a TT-matrix learns better than ``"tt"`` at equal parameters
@@ -57,7 +59,7 @@ class TTConfig:
       leaves them to Inductor.
     """
 
-    rank: Union[int, Sequence[int]] = 16
+    rank: Union[int, Sequence[int]] = 32
     fmt: str = "auto"
     n_cores: int | None = None
     modes: tuple[Sequence[int], Sequence[int]] | None = None
