@@ -257,7 +257,9 @@ class DeviceModel:
     ``gemm_flops``: bf16/fp16 tensor-core rate cuBLAS reaches on large products; ``fp32_flops`` for
     fp32 operands (TF32 when allowed); ``bandwidth``: device-memory bytes per second a skinny,
     memory-bound product reaches; ``launch_s`` / ``graph_launch_s``: time added per kernel without /
-    inside a CUDA graph (host dispatch of a compiled graph's kernels, vs the GPU-side gap)."""
+    inside a CUDA graph (host dispatch of a compiled graph's kernels, vs the GPU-side gap);
+    ``block_bandwidth``: what a block tensor-train's batched block GEMMs and regrouping copies reach
+    (its ``"blocks"`` path; None: ``bandwidth``)."""
 
     name: str
     gemm_flops: float
@@ -265,6 +267,13 @@ class DeviceModel:
     bandwidth: float
     launch_s: float
     graph_launch_s: float
+    block_bandwidth: float | None = None
+
+    def for_blocks(self) -> "DeviceModel":
+        """This model with ``bandwidth`` at ``block_bandwidth`` (the rates of a btt's blocks path)."""
+        if self.block_bandwidth is None:
+            return self
+        return dataclasses.replace(self, bandwidth=self.block_bandwidth)
 
     def gemm_s(self, m: int, n: int, k: int, dtype_bytes: int, batch: int = 1) -> float:
         rate = self.gemm_flops if dtype_bytes <= 2 else self.fp32_flops
@@ -282,8 +291,13 @@ class DeviceModel:
 #: kernel inside a CUDA graph (plus a GEMM's own setup), 7.7 us dispatched from Python. These are the rates
 #: of a TT layer's products, skinnier than an LM head's: the fused loss's cost model (kernels) describes the
 #: same GPU at LM-head shapes (690 TFLOP/s, 4.3 TB/s) and keeps its own numbers.
+#: A btt's blocks path (batched GEMMs over 32-128 blocks, and the copies between them) runs faster than
+#: those skinny products: fitted to the width sweep's whole training steps (bench_e2e, lm-d1024/2048/4096,
+#: 8,192 tokens, ranks 1 and 4, the blocks path pinned against the dense weight), its estimates at 1.5
+#: TB/s came out 1.5-2.3x the measured step-time differences; at 2.8 TB/s all five planner choices match
+#: the faster of the two measured.
 H200 = DeviceModel(name="H200", gemm_flops=600e12, fp32_flops=45e12, bandwidth=1.5e12, launch_s=8e-6,
-                   graph_launch_s=3e-6)
+                   graph_launch_s=3e-6, block_bandwidth=2.8e12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,7 +620,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     t0 = time.perf_counter()
     (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
     P, Q, e = spec.padded_rows, spec.padded_cols, dtype_bytes
-    blocks = _Costing(model, dtype_bytes, cudagraphs)
+    blocks = _Costing(model.for_blocks(), dtype_bytes, cudagraphs)
     blocks.copy("forward", "X: tokens to j-major", 2 * e * n * P)
     blocks.gemm("forward", "T = X·(R g), per j", n, c * r, b2, batch=b1)
     blocks.copy("forward", "T: j-major to c-major", 2 * e * n * b1 * c * r)

@@ -210,3 +210,19 @@ def test_swap_never_returns_a_view_of_its_input():
         y = swap_blocks(x)
         assert y.data_ptr() != x.data_ptr() and torch.equal(y, x.permute(2, 1, 0, 3))
         assert torch.ops.comera.btt_swap(x).data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("d, hidden, r, want", [
+    (1024, 2752, 1, "dense"), (2048, 5504, 4, "dense"),  # measured: the blocks lost (1.24x, 1.70x the dense step)
+    (2048, 5504, 1, "blocks"), (4096, 11008, 1, "blocks"), (4096, 11008, 4, "blocks"),  # the blocks won
+    (4096, 4096, 1, "blocks"), (4096, 4096, 4, "blocks")])
+def test_planner_picks_what_the_width_sweep_measured_faster(d, hidden, r, want):
+    """The MLP and attention layers of the width sweep's LMs (8,192 tokens, under CUDA graphs): the
+    choice the H200 model makes is the path whose whole training step measured faster (bench_e2e
+    with the blocks pinned, 2026-12-01)."""
+    from torch import nn
+
+    layer = nn.Linear(d, hidden)
+    tensorize_(layer, TTConfig(fmt="btt", rank=r, min_size=0))
+    (tt_layer,) = iter_tt_layers(layer)
+    assert plan_btt_linear(tt_layer.spec, 8192, cudagraphs=True).strategy == want
