@@ -76,9 +76,7 @@ class CompileOptions:
             custom op per group forward and one backward (the backward recomputes the merges), which
             Inductor does not compile: fewer generated kernels and a shorter compile (the CPU
             six-encoder model's first step 55 -> 33 s), the merges then running unfused; no double
-            backward through them. Block tensor-train layers on their ``"blocks"`` path then also run
-            as one op each (``comera::btt_blocks``: batched GEMMs reading and writing the token-major
-            activations in place, where the plain ops copy them into and out of block-major order).
+            backward through them.
         tt_strategy: the token-sized path of every tensor-train site. ``"auto"`` (default): the
             planner's cheapest estimate. A pin applies where the site has that candidate (``"dense"``:
             form the weight; ``"factored"``: a ``"tt"`` layer through its bottleneck; ``"contract"``: a

@@ -1,10 +1,11 @@
-"""``comera::btt_swap``: ``x [A, M, B, K] -> [B, M, A, K]`` (the first and third axes swapped), the
-regrouping copy between a block tensor-train's two batched GEMMs.
+"""A block tensor-train's blocks path: ``comera::btt_blocks`` (its two batched GEMMs) and
+``comera::btt_swap``, ``x [A, M, B, K] -> [B, M, A, K]`` (the first and third axes swapped), the
+regrouping copy between them.
 
 The blocks path of a ``"btt"`` layer (:func:`comera_compile.kernels.tt_runtime.btt_linear`) runs one
-batched GEMM per row block and one per column block; between them the intermediate ``T [b1, n, c, r]``
-must become ``[c, n, b1, r]``, and the tokens move between token-major and block-major order before and
-after. As a plain ``permute().contiguous()`` these copies have a tiny contiguous axis on one side
+batched GEMM per row block and one per column block. The GEMMs read the token-major input and write the
+token-major output in place (strided batches); between them the intermediate ``T [b1, n, c, r]`` must
+become ``[c, n, b1, r]``. As a plain ``permute().contiguous()`` that copy has a tiny contiguous axis on one side
 (``r`` elements, often 1), so every element is its own memory transaction: on an H200 such a copy of
 the 64 MiB intermediate of a 4096-wide layer at 8,192 tokens ran at under 0.1 TB/s and took 80 % of the
 layer's time. The Triton kernel here copies tiles ``[BLOCK_A, BLOCK_B, BLOCK_K]``: each load reads

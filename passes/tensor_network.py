@@ -342,7 +342,7 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
     checked_replace(node, new, erase=[site.w])
 
 
-def _rewrite_alone(graph: fx.Graph, site: _Site, materialize: set, opaque: bool = False) -> None:
+def _rewrite_alone(graph: fx.Graph, site: _Site, materialize: set) -> None:
     """A site of :data:`ALONE`, read straight from the layer's flat cores and gates where the site is:
     ``"contract"``: :func:`~comera_compile.kernels.tt_runtime.ttm_contract`; ``"blocks"``:
     :func:`~comera_compile.kernels.tt_runtime.btt_linear` (neither forms the weight); ``"btt_dense"``:
@@ -361,7 +361,7 @@ def _rewrite_alone(graph: fx.Graph, site: _Site, materialize: set, opaque: bool 
                                                                 site.bias, dtype, equation, path))
         elif site.output == "blocks":
             new = graph.call_function(tt_runtime.btt_linear, (site.x, core_flat, gate_flat, site.spec, site.x_times_m,
-                                                              site.bias, dtype, opaque))
+                                                              site.bias, dtype))
         else:
             weight_dtype = dtype if site.kind == "tt_linear" else fake(site.w).dtype
             w = graph.call_function(tt_runtime.btt_weight, (core_flat, gate_flat, site.spec, weight_dtype))
@@ -475,11 +475,10 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     count = 0
-    opaque = ctx.options.tt_merges == "opaque"
     for site in [s for s in sites if s.output in ALONE]:
         where = module_name(site.node)
         try:
-            _rewrite_alone(graph, site, materialize, opaque)
+            _rewrite_alone(graph, site, materialize)
         except RewriteRejected as exc:
             ctx.skip(site.kind, str(exc), where)
             continue
@@ -489,6 +488,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
+    opaque = ctx.options.tt_merges == "opaque"
     for g in groups:
         _emit_group(graph, g, opaque)
     order = {n: i for i, n in enumerate(graph.nodes)}  # inserting nodes keeps the others' order
