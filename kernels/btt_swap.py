@@ -167,11 +167,17 @@ def _(grad, x, ts, first, second, c, r):
 def _blocks_setup(ctx, inputs, output) -> None:
     x, first, second, c, r = inputs
     ctx.c, ctx.r = c, r
-    ctx.save_for_backward(x, output[1], first, second)
+    # The intermediate has c r / b2 times the input's entries: kept for the backward while no larger
+    # than the input (rank 1 with c <= b2), else recomputed there (one batched GEMM and one swap), so
+    # that a rank-r layer saves no r-times-larger activation.
+    ctx.keep = output[1].numel() <= x.numel()
+    ctx.save_for_backward(x, output[1] if ctx.keep else None, first, second)
 
 
 def _blocks_backward(ctx, grad, _grad_ts):
     x, ts, first, second = ctx.saved_tensors
+    if not ctx.keep:
+        ts = torch.ops.comera.btt_blocks(x, first, second, ctx.c, ctx.r)[1]
     gx, g_first, g_second = torch.ops.comera.btt_blocks_backward(grad, x, ts, first, second, ctx.c, ctx.r)
     return gx, g_first, g_second, None, None
 

@@ -224,3 +224,21 @@ def test_planner_picks_what_the_width_sweep_measured_faster(d, hidden, r, want):
     tensorize_(layer, TTConfig(fmt="btt", rank=r, min_size=0))
     (tt_layer,) = iter_tt_layers(layer)
     assert plan_btt_linear(tt_layer.spec, 8192, cudagraphs=True).strategy == want
+
+
+@pytest.mark.parametrize("r, kept", [(1, True), (4, False)])
+def test_blocks_keep_the_intermediate_only_while_it_is_no_larger_than_the_input(r, kept):
+    """Rank 1 (c <= b2): the regrouped intermediate [c, n, b1 r] is saved for the backward; rank 4 (c r
+    > b2): it is recomputed there, so the layer saves nothing larger than its input."""
+    spec = TTSpec("btt", (4, 8), (8, 4), (1, r, 1), 32, 32, True)
+    gen = torch.Generator().manual_seed(3)
+    cores = [torch.randn(*s, generator=gen, requires_grad=True) for s in spec.core_shapes]
+    core_flat, gate_flat = join_flat(cores, [torch.ones(r, requires_grad=True)])
+    x = torch.randn(64, 32, generator=gen, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = tt_runtime.btt_linear(x, core_flat, gate_flat, spec, True, None, torch.float32)
+    n, b1, c = 64, 4, 8
+    assert ((c, n, b1 * r) in saved) == kept
+    y.sum().backward()  # and the recomputing backward runs
+    assert x.grad is not None and x.grad.shape == x.shape
