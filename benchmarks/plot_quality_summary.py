@@ -14,6 +14,27 @@ from pathlib import Path
 COLORS = {"dense": "black", "TT-matrix": "tab:blue", "btt": "tab:green", "bottleneck": "tab:red"}
 
 
+def _labels(rows: list[dict], gap: float = 0.028) -> list:
+    """Each row's label beside its best point, spread vertically within a column of points at about
+    the same parameter count (within 10 %) so that no two overlap."""
+    points = sorted(((r["parameters"] / 1e6, min(r["val_loss"]), r["row"]) for r in rows), key=lambda p: p[0])
+    columns: list[list] = []
+    for p in points:
+        if columns and p[0] <= columns[-1][0][0] * 1.1:
+            columns[-1].append(p)
+        else:
+            columns.append([p])
+    out = []
+    for column in columns:
+        column.sort(key=lambda p: p[1])
+        placed = []
+        for x, y, text in column:
+            ty = max(y, placed[-1] + gap) if placed else y
+            placed.append(ty)
+            out.append(((x, y), (max(q[0] for q in column) * 1.04, ty), text))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", type=Path)
@@ -38,8 +59,9 @@ def main(argv=None) -> None:
         label = r["family"] if r["family"] not in seen else None
         seen.add(r["family"])
         ax.scatter([r["parameters"] / 1e6] * len(r["val_loss"]), r["val_loss"], color=color, s=18, label=label)
-        ax.annotate(r["row"], (r["parameters"] / 1e6, min(r["val_loss"])), fontsize=7, xytext=(4, -2),
-                    textcoords="offset points")
+    for (x, y), (text_x, text_y), text in _labels(rows):
+        ax.annotate(text, (x, y), xytext=(text_x, text_y), fontsize=7, va="center",
+                    arrowprops=dict(arrowstyle="-", lw=0.4, color="gray"))
     ax.set_xscale("log")
     ax.set_xlabel("parameters (millions, whole model)")
     ax.set_ylabel("final validation loss (nats/token)")

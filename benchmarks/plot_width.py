@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 LABELS = {"dense-inductor": "dense, inductor", "dense-inductor-cg": "dense, inductor + CUDA graphs",
-          "ttm": "TT-matrix r32", "tt": "tt r32", "btt": "btt r1 (Monarch)", "btt-r4": "btt r4"}
+          "ttm": "TT-matrix r32", "tt": "tt r32", "btt": "btt r1 (Monarch)", "btt-r4": "btt r4",
+          "btt-after": "btt r1, after the copy kernel and btt_blocks (d 2048: blocks pinned)"}
 
 
 def main(argv=None) -> None:
