@@ -67,7 +67,10 @@ def cuda_time_ms(fn, iters: int, warmup: int = 5) -> float:
     for _ in range(iters):
         flush.zero_()
         if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(1_000_000)  # ~0.5 ms: the host enqueues fn's launches meanwhile
+            # ~5 ms of GPU spin: the host enqueues all of fn's launches meanwhile, so the events time
+            # the GPU work alone (with 0.5 ms, the custom op's fwd+bwd measured its host dispatch, a
+            # constant ~0.7 ms at every shape)
+            torch.cuda._sleep(10_000_000)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
