@@ -197,6 +197,9 @@ CONFIGS: dict[str, Config] = {
                             ("--tensorize", "32", "--core-lr-rule", "fan-in") + TTM),
     "btt-pkg-g1": Config("btt-pkg with the gate at the cores' lr and the cores' weight decay at the example's 0.1",
                          ("--tensorize", "1", "--fmt", "btt", "--gate-lr-scale", "1", "--core-weight-decay", "0.1")),
+    "btt-pkg-g10-wd": Config("btt-pkg with the cores' weight decay at 0.1 and the gate at 10x the lr (btt-pkg-g1 "
+                             "less its gate change)", ("--tensorize", "1", "--fmt", "btt", "--gate-lr-scale", "10",
+                                                       "--core-weight-decay", "0.1")),
     "ttm-r32-gate10x": Config("ttm-r32 with the gates at 10x the cores' lr (train_lm's default until the group seeds "
                               "showed 1x better)", ("--tensorize", "32", "--gate-lr-scale", "10") + TTM),
     "ttm-r32-gate1x": Config("ttm-r32 with the gates at the cores' lr", ("--tensorize", "32", "--gate-lr-scale", "1")
@@ -233,6 +236,12 @@ GROUPS = {
               "ttm-r32-fanin@0.0048", "ttm-r32-fanin-s1@0.0048",
               # tt with and without an activation at the bottleneck, with the gates at the cores' lr
               "tt-all@0.0012", "tt-all@0.0024", "tt-all-silu@0.0012", "tt-all-silu@0.0024", "tt-all-silu@0.0048"],
+    # next3: the learning rates next2 left at one value (each row's sweep to three, the edges extended),
+    # the package's btt with each of its two changes alone (gate lr, core decay)
+    "next3": ["btt-pkg-g1@0.0048", "btt-pkg-g1@0.0192", "ttm-c2-iso@0.0024", "ttm-c2-iso@0.0096",
+              "ttm-c4-iso@0.0024", "ttm-c4-iso@0.0096", "ttm-r32-fanin@0.0006", "ttm-r32-fanin@0.0012",
+              "ttm-r32-fanin@0.0024", "tt-all-silu@0.0006", "tt-all@0.0006", "btt-pkg-g10-wd@0.0096",
+              "btt-pkg@0.0096"],  # btt-pkg: the gate at the cores' lr (train_lm's default now), no core decay
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
