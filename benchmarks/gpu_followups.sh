@@ -2,8 +2,9 @@
 # The GPU measurements still open in BENCHMARKS.md, in one background job on one H200 (about 25 minutes):
 #   1. the GPU tests of the kernels (bf16 against float64);
 #   2. timings alone: the fused low-rank kernel's GPU time (bench_lowrank, 5 ms spin); the width sweep's
-#      btt rows after the planner's refit (d 2048: blocks for the FFN layers only) and the rank-4 blocks
-#      that now recompute their intermediate; the six-encoder and 128k-head LM with tt_merges="opaque";
+#      btt rows after the planner's refit (d 2048: blocks for the FFN layers only), the weights of
+#      same-structure btt layers formed in one batched merge (d 1024), and the rank-4 blocks that now
+#      recompute their intermediate; the six-encoder and 128k-head LM with tt_merges="opaque";
 #      compile time on the GPU (bench_compile --size full);
 #   3. the quality study's group next3 (13 runs side by side: the learning rates next2 tried once).
 #   bash benchmarks/gpu_followups.sh [OUT_DIR]
@@ -18,6 +19,9 @@ timeout 300 python3 -m pytest -q tests/test_gpu.py > "$out/gpu_tests.log" 2>&1
 stamp "gpu tests rc $?"
 timeout 180 python3 benchmarks/bench_lowrank.py --json "$out/lowrank.json" > "$out/lowrank.log" 2>&1
 stamp "lowrank rc $?"
+timeout 240 python3 benchmarks/bench_e2e.py --model lm-d1024 --steps 20 --variants dense-inductor-cg,btt \
+  --json "$out/width-d1024.json" > "$out/width-d1024.log" 2>&1
+stamp "width d1024 rc $?"
 timeout 300 python3 benchmarks/bench_e2e.py --model lm-d2048 --steps 20 --variants dense-inductor-cg,btt,btt-blocks \
   --json "$out/width-d2048.json" > "$out/width-d2048.log" 2>&1
 stamp "width d2048 rc $?"

@@ -155,10 +155,17 @@ def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch
     * ``"dense"`` / ``"dense_t"``: ``M[:rows, :cols]`` / its transpose, as ``tt_materialize`` gives it;
     * ``"tables"``: ``(A, B)``, A [I_L, O_L, r] and B [I_R, O_R, r] for :func:`lookup`.
 
-    ``output`` says which product is wanted; ``spec.transpose`` is not read.
+    ``output`` says which product is wanted; ``spec.transpose`` is not read. A block tensor-train
+    (``spec.fmt == "btt"``) has no chain to cut: ``plan`` is not read and only ``"dense"`` /
+    ``"dense_t"`` apply (its K weights formed by one batched product, :func:`_btt_group_weights`).
     """
     if output not in OUTPUTS:
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
+    if spec.fmt == "btt":
+        if output not in ("dense", "dense_t"):
+            raise ValueError(f"group_outputs: a btt layer gives output 'dense' or 'dense_t', got {output!r}")
+        with _no_autocast(core_flats[0]):
+            return _per_layer(_btt_group_weights(core_flats, gate_flats, spec, dtype, output == "dense_t"))
     modes, ranks, rows, cols = spec.chain_modes, spec.ranks, spec.rows, spec.cols
     with _no_autocast(core_flats[0]):
         chain = _stacked_chain(core_flats, gate_flats, modes, ranks, dtype)
@@ -183,6 +190,23 @@ def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch
         if output == "dense_t":
             m = m.transpose(1, 2)
         return _per_layer(m)
+
+
+def _btt_group_weights(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
+                       dtype: torch.dtype, transpose: bool) -> torch.Tensor:
+    """K block tensor-trains of one structure as their matrices ``M[:rows, :cols]`` ([K, rows, cols];
+    ``transpose``: [K, cols, rows]) in ``dtype``: the flat storages stacked once, then one batched
+    product over every layer and block, ``M[z, (j, b), (c, a)] = sum_k R[z, j, b, c, k] g[z, k] L[z, k, c, j, a]``
+    (what :func:`btt_weight` forms for one layer)."""
+    (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
+    cores = torch.stack(list(core_flats)) if len(core_flats) > 1 else core_flats[0][None]
+    gates = torch.stack(list(gate_flats)) if len(gate_flats) > 1 else gate_flats[0][None]
+    K, n_r = cores.shape[0], b1 * b2 * c * r
+    R = cores[:, :n_r].view(K, b1, b2, c, r).to(dtype) * gates.to(dtype)[:, None, None, None, :]
+    L = cores[:, n_r:].view(K, r, c, b1, a).to(dtype)
+    full = torch.einsum("zjbck,zkcja->zjbca", R, L).reshape(K, spec.padded_rows, spec.padded_cols)
+    m = _crop(_crop(full, 1, spec.rows), 2, spec.cols)
+    return m.transpose(1, 2) if transpose else m
 
 
 def _crop(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

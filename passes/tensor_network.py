@@ -23,9 +23,11 @@ for the traced token count, and the site is rewritten into calls of
   second factor stays a plain ``linear``, so a TT LM head is then fused with its loss by the ``cce``
   pass, over the rank-sized activations), the original ``linear``/``embedding``/``addmm`` with the
   group's dense weight (``"dense"``), or a gathered-table ``lookup`` (``"tables"``);
+* a block tensor-train Linear whose plan forms its weight is a ``"dense"`` site like the others: the
+  weights of the btt layers of one structure are formed by one batched product;
 * sites with nothing to share (:data:`ALONE`) read their flat cores where they are: a TT-matrix whose
-  plan contracts the tokens through its cores (``"contract"``), and every block tensor-train, as its
-  two batched block GEMMs (``"blocks"``) or with its weight formed in the graph (``"btt_dense"``).
+  plan contracts the tokens through its cores (``"contract"``), a block tensor-train on its two batched
+  block GEMMs (``"blocks"``), and a btt embedding with its table formed in the graph (``"btt_dense"``).
 
 Every argument of a matched node is checked; anything else is left alone with its reason in
 ``explain``. The rewritten graph never forms a weight the plan does not call for.
@@ -65,7 +67,8 @@ if TYPE_CHECKING:  # the pass manager runs the passes; they only name its contex
 NAME = "tensor_network"
 MAX_GROUP = 32  # layers merged by one batched call (Inductor stacks their cores in one pointwise kernel)
 # Sites whose token-sized work reads the flat cores directly (no token-independent merge to share), each
-# rewritten on its own: a TT-matrix contracted through its cores, a btt layer's blocks or its weight.
+# rewritten on its own: a TT-matrix contracted through its cores, a btt layer's blocks, a btt embedding's
+# table.
 ALONE = ("contract", "blocks", "btt_dense")
 
 
@@ -204,7 +207,9 @@ def _plan(site: _Site, ctx: PassContext) -> None:
             n *= size_hint(s)
         if site.spec.fmt == "btt":
             site.plan = plan_btt_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs, strategy=pin)
-            site.output = "blocks" if site.plan.strategy == "blocks" else "btt_dense"
+            # the weight formed in the graph, batched with the other btt layers of the structure
+            site.output = "blocks" if site.plan.strategy == "blocks" else ("dense_t" if site.spec.transpose
+                                                                           else "dense")
         else:
             site.plan = plan_linear(site.spec, max(n, 1), nbytes, cudagraphs=cudagraphs, strategy=pin)
             if site.plan.strategy == "contract":
@@ -345,8 +350,8 @@ def _rewrite_site(graph: fx.Graph, g: _Group, site: _Site, materialize: set) -> 
 def _rewrite_alone(graph: fx.Graph, site: _Site, materialize: set) -> None:
     """A site of :data:`ALONE`, read straight from the layer's flat cores and gates where the site is:
     ``"contract"``: :func:`~comera_compile.kernels.tt_runtime.ttm_contract`; ``"blocks"``:
-    :func:`~comera_compile.kernels.tt_runtime.btt_linear` (neither forms the weight); ``"btt_dense"``:
-    the site's own call with the weight from :func:`~comera_compile.kernels.tt_runtime.btt_weight`, in
+    :func:`~comera_compile.kernels.tt_runtime.btt_linear` (neither forms the weight); ``"btt_dense"`` (a
+    btt embedding): the site's own call with the table from :func:`~comera_compile.kernels.tt_runtime.btt_weight`, in
     the site's dtype (plain ops Inductor compiles, in place of the opaque marker op)."""
     _refresh(site, materialize)
     node = site.node
@@ -452,6 +457,9 @@ def _detail(site: _Site, group: _Group) -> str:
         if len(group.members) > 1 else ""
     if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:
         share += " (the merges one opaque op: tt_merges='opaque')"
+    if site.spec.fmt == "btt":  # described as the btt sites of ALONE are, plus the batching
+        head, sep, rest = _describe_alone(site).partition("\n")
+        return _with_pin_note(site, f"{head}{share}{sep}{rest}")
     return _with_pin_note(site, f"{fmt} {shape}, {site.spec.n_cores} cores: {site.plan.summary()}{share}\n"
                                 f"{site.plan.describe()}")
 

@@ -242,3 +242,53 @@ def test_blocks_keep_the_intermediate_only_while_it_is_no_larger_than_the_input(
     assert ((c, n, b1 * r) in saved) == kept
     y.sum().backward()  # and the recomputing backward runs
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("transpose_out", [False, True], ids=["dense", "dense_t"])
+def test_group_weights_of_btt_layers_match_the_block_by_block_reference(transpose_out):
+    """group_outputs for K btt layers of one structure (one batched product) against each layer's matrix
+    assembled block by block, float64, with gradients for every core and gate."""
+    from comera_compile.tt.planner import Cut
+
+    spec = TTSpec("btt", (4, 3), (3, 5), (1, 2, 1), 11, 13, True)
+    gen = torch.Generator().manual_seed(4)
+    layers = [[torch.randn(*s, generator=gen, dtype=torch.float64, requires_grad=True) for s in spec.core_shapes]
+              + [(torch.rand(2, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()] for _ in range(3)]
+    flats = [join_flat(cores[:2], [cores[2]]) for cores in layers]
+    got = tt_runtime.group_outputs([f[0] for f in flats], [f[1] for f in flats], spec, Cut(1, 0, 1),
+                                   "dense_t" if transpose_out else "dense", torch.float64)
+    assert len(got) == 3
+    for (R, L, g), m in zip(layers, got):
+        want = reference_m(R, g, L, spec)
+        want = want.t() if transpose_out else want
+        torch.testing.assert_close(m, want, rtol=1e-12, atol=1e-12)
+        dm = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(m, (R, L, g), dm, retain_graph=True),
+                        torch.autograd.grad(want, (R, L, g), dm)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="btt layer gives output 'dense' or 'dense_t'"):
+        tt_runtime.group_outputs([flats[0][0]], [flats[0][1]], spec, Cut(1, 0, 1), "factors", torch.float64)
+
+
+@pytest.mark.parametrize("merges", ["inductor", "opaque"])
+def test_btt_layers_that_form_their_weights_share_one_batched_merge(merges):
+    """Three btt Linears of one structure on the dense path (few tokens): one group, the step matches
+    eager (under tt_merges="opaque" too)."""
+    from torch import nn
+
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(48, 48), nn.Linear(48, 48), nn.Linear(48, 48)
+            self.head = nn.Linear(48, 3)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+    torch.manual_seed(0)
+    eager = Three()
+    tensorize_(eager, TTConfig(fmt="btt", rank=2, min_size=0), filter_fn=lambda mod, fqn: fqn in ("a", "b", "c"))
+    assert all(plan_btt_linear(lay.spec, 16).strategy == "dense" for lay in iter_tt_layers(eager))
+    text = compiled_step_matches_eager(eager, torch.randn(4, 4, 48), tt_merges=merges)
+    assert text.count("(the weight formed in the graph, then a dense GEMM); token-independent merges batched "
+                      "with 2 other layer(s)") == 3, text
