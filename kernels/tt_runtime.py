@@ -47,7 +47,7 @@ from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defin
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
-__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_weight", "chain_modes", "ttm_contract", "group_outputs",
+__all__ = ["OUTPUTS", "Output", "btt_linear", "btt_linear_shared", "btt_weight", "chain_modes", "ttm_contract", "group_outputs",
            "group_outputs_opaque", "layer_outputs", "layer_spec",
            "lookup", "project"]
 
@@ -301,6 +301,31 @@ def btt_linear(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tensor
         first = (first * gates[0].to(first.dtype)).to(dtype)
         return _btt_apply(x.to(dtype), first, second.to(dtype), rows, cols,
                           None if bias is None else bias.to(dtype))
+
+
+def btt_linear_shared(x: torch.Tensor, core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor],
+                      specs: Sequence[TTSpec], biases: Sequence[torch.Tensor | None],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`btt_linear` (``x @ M + bias``) for several block tensor-train layers that read the same
+    ``x`` and have the same row blocks, rank and column block size (``b1 x b2``, ``r``, ``a``; the
+    number of column blocks ``c`` may differ: Q, K and V; an MLP's gate and up projections): their
+    cores concatenated along the column blocks make one wider btt layer, one ``comera::btt_blocks``
+    call, whose output is split back per layer. Returns one output per layer, in order."""
+    firsts, seconds, widths = [], [], []
+    for core_flat, gate_flat, spec in zip(core_flats, gate_flats, specs):
+        (R, L), gates = split_flat(core_flat, gate_flat, spec)
+        firsts.append(R * gates[0].to(R.dtype))
+        seconds.append(L)
+        widths.append(spec.col_modes[0] * spec.col_modes[1])
+    with _no_autocast(x):
+        R = torch.cat([f.to(dtype) for f in firsts], dim=2)  # [b1, b2, C, r]
+        L = torch.cat([t.to(dtype) for t in seconds], dim=1)  # [r, C, b1, a]
+        y = _btt_apply(x.to(dtype), R, L, specs[0].rows, sum(widths), None)
+        outs = []
+        for part, spec, bias in zip(y.split(widths, dim=-1), specs, biases):
+            part = _crop(part, part.dim() - 1, spec.cols)
+            outs.append(part if bias is None else part + bias.to(dtype))
+        return tuple(outs)
 
 
 def _btt_apply(x: torch.Tensor, R: torch.Tensor, L: torch.Tensor, rows: int, cols: int,

@@ -27,7 +27,9 @@ for the traced token count, and the site is rewritten into calls of
   weights of the btt layers of one structure are formed by one batched product;
 * sites with nothing to share (:data:`ALONE`) read their flat cores where they are: a TT-matrix whose
   plan contracts the tokens through its cores (``"contract"``), a block tensor-train on its two batched
-  block GEMMs (``"blocks"``), and a btt embedding with its table formed in the graph (``"btt_dense"``).
+  block GEMMs (``"blocks"``; btt layers that read the same input with the same row blocks, rank and
+  column block size, such as Q, K and V, as one wider layer: their cores concatenated), and a btt
+  embedding with its table formed in the graph (``"btt_dense"``).
 
 Every argument of a matched node is checked; anything else is left alone with its reason in
 ``explain``. The rewritten graph never forms a weight the plan does not call for.
@@ -451,6 +453,60 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, o
     return batch
 
 
+def _blocks_key(site: _Site) -> tuple:
+    s = site.spec
+    return (s.row_modes, s.rows, s.ranks, s.col_modes[1], fake(site.node).dtype, fake(site.flats[0]).dtype)
+
+
+def _blocks_batch(site: _Site, sites: list[_Site], done: set[int], order: dict[fx.Node, int],
+                  materialize: set) -> list[_Site]:
+    """``site`` and the other btt sites on the blocks path, not yet rewritten, that read the same input
+    (``x @ M``) with the same row blocks, rank and column block size, in graph order: one
+    :func:`~comera_compile.kernels.tt_runtime.btt_linear_shared` call placed before the first of them.
+    A site joins only if its flat cores and gates exist by then, no write into ``x`` separates it from
+    the first, and nothing writes into its output (the outputs are views of one buffer)."""
+    if site.output != "blocks" or not site.x_times_m:
+        return [site]
+    _refresh(site, materialize)
+    key = _blocks_key(site)
+    batch = [site]
+    for other in sites:
+        if other is site or id(other) in done or other.output != "blocks" or not other.x_times_m:
+            continue
+        _refresh(other, materialize)
+        if other.x is site.x and _blocks_key(other) == key:
+            batch.append(other)
+    if len(batch) == 1:
+        return batch
+    batch.sort(key=lambda s: order[s.node])
+    first = batch[0].node
+    kept = [batch[0]]
+    for other in batch[1:]:
+        inputs = [n for n in other.flats + (other.bias,) if isinstance(n, fx.Node)]
+        if any(order.get(n, -1) >= order[first] for n in inputs):
+            continue
+        if M.first_write(M.nodes_between(first, other.node), [site.x]) is not None:
+            break
+        kept.append(other)
+    writes = M.writes(M.nodes_between(first, None))  # everything after the first site, to the end
+    kept = [s for s in kept if M.first_alias(writes, [s.node]) is None]
+    return kept if site in kept and len(kept) > 1 else [site]
+
+
+def _rewrite_blocks_shared(graph: fx.Graph, sites: list[_Site]) -> None:
+    """Rewrite ``sites`` (a :func:`_blocks_batch`) as one ``btt_linear_shared`` call and its outputs."""
+    first = sites[0]
+    dtype = fake(first.node).dtype
+    with graph.inserting_before(first.node):
+        call = graph.call_function(tt_runtime.btt_linear_shared, (
+            first.x, [s.flats[0] for s in sites], [s.flats[1] for s in sites], [s.spec for s in sites],
+            [s.bias for s in sites], dtype))
+    for k, site in enumerate(sites):
+        with graph.inserting_before(site.node):
+            new = graph.call_function(operator.getitem, (call, k))
+        checked_replace(site.node, new, erase=[site.w])
+
+
 def _detail(site: _Site, group: _Group) -> str:
     fmt, shape = site.spec.fmt, _shape(site)
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
@@ -483,15 +539,30 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             continue
         sites.append(site)
     count = 0
-    for site in [s for s in sites if s.output in ALONE]:
+    alone = [s for s in sites if s.output in ALONE]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done: set[int] = set()
+    for site in alone:
+        if id(site) in done:
+            continue
+        batch = _blocks_batch(site, alone, done, order, materialize)
         where = module_name(site.node)
         try:
-            _rewrite_alone(graph, site, materialize)
+            if len(batch) > 1:
+                _rewrite_blocks_shared(graph, batch)
+            else:
+                _rewrite_alone(graph, site, materialize)
         except RewriteRejected as exc:
             ctx.skip(site.kind, str(exc), where)
+            done.update(id(s) for s in batch)
             continue
-        ctx.rewrite(site.kind, where, _detail_alone(site))
-        count += 1
+        for s in batch:
+            done.add(id(s))
+            shared = f"; one batched call with {len(batch) - 1} other layer(s) reading the same input (their " \
+                     "cores concatenated along the column blocks)" if len(batch) > 1 else ""
+            ctx.rewrite(s.kind, module_name(s.node) if s.node.graph is not None else where,
+                        _detail_alone(s).replace("\n", shared + "\n", 1))
+            count += 1
     sites = [s for s in sites if s.output not in ALONE]
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each

@@ -292,3 +292,48 @@ def test_btt_layers_that_form_their_weights_share_one_batched_merge(merges):
     text = compiled_step_matches_eager(eager, torch.randn(4, 4, 48), tt_merges=merges)
     assert text.count("(the weight formed in the graph, then a dense GEMM); token-independent merges batched "
                       "with 2 other layer(s)") == 3, text
+
+
+class QKV(torch.nn.Module):
+    """Three projections of one input (the last one narrower: fewer column blocks) and an output one."""
+
+    def __init__(self, d=2048, inplace=False):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False)
+        self.v, self.o = torch.nn.Linear(d, d // 2), torch.nn.Linear(d // 2, 3)
+        self.inplace = inplace
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.inplace:
+            k.mul_(0.5)
+        return self.o(v * torch.sigmoid((q * k).sum(-1, keepdim=True) / 64))
+
+
+def _qkv(inplace=False):
+    torch.manual_seed(0)
+    eager = QKV(inplace=inplace)
+    tensorize_(eager, {"q": TTConfig(fmt="btt", rank=2, modes=((32, 64), (32, 64)), min_size=0),
+                       "k": TTConfig(fmt="btt", rank=2, modes=((32, 64), (32, 64)), min_size=0),
+                       "v": TTConfig(fmt="btt", rank=2, modes=((32, 64), (16, 64)), min_size=0)})
+    return eager
+
+
+def test_btt_layers_reading_one_input_share_one_blocks_call(monkeypatch):
+    """Q, K and V on the blocks path (2048 wide, pinned): one btt_blocks call for the three, whose
+    column blocks differ (V has half), biases on two; the step matches eager."""
+    from comera_compile.kernels import btt_swap
+
+    eager = _qkv()
+    calls = []
+    forward = btt_swap._blocks_forward
+    monkeypatch.setattr(btt_swap, "_blocks_forward", lambda *a: calls.append(a[2].shape) or forward(*a))
+    text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_strategy="blocks")
+    assert text.count("one batched call with 2 other layer(s) reading the same input") == 3, text
+    assert calls and all(shape[0] == 32 + 32 + 16 for shape in calls)  # [C, b1 r, a]: one call, all three
+
+
+def test_an_output_written_in_place_keeps_its_layer_out_of_the_shared_call():
+    """K is scaled in place after the projections: K is rewritten on its own, Q and V share a call."""
+    text = compiled_step_matches_eager(_qkv(inplace=True), torch.randn(4, 4, 2048), tt_strategy="blocks")
+    assert text.count("one batched call with 1 other layer(s) reading the same input") == 2, text
