@@ -465,6 +465,26 @@ def test_round_trip_keeps_a_tt_activation(tmp_path):
         got.get_submodule("model.layers.0.mlp.up_proj").weight
 
 
+def test_gpt2_conv1d_with_a_tt_activation_trains_compiled_as_eager():
+    """transformers' Conv1D (y = x @ W + b) with TTConfig(activation="gelu"): loss and every gradient of
+    a compiled step against eager."""
+    import copy
+
+    m = make_model("gpt2")
+    cc.tensorize_(m, cc.TTConfig(fmt="tt", rank=4, activation="gelu", min_size=0),
+                  filter_fn=lambda mod, fqn: ".mlp." in fqn)
+    assert len(list(cc.iter_tt_layers(m))) == 2
+    twin = copy.deepcopy(m)
+    ids, labels = batch("gpt2")
+    want = m(ids, labels=labels).loss
+    want.backward()
+    got = torch.compile(twin, backend="comera")(ids, labels=labels).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(m.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
     from safetensors.torch import load_file, save_file
 
