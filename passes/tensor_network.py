@@ -459,7 +459,7 @@ def _blocks_key(site: _Site) -> tuple:
 
 
 def _blocks_batch(site: _Site, sites: list[_Site], done: set[int], order: dict[fx.Node, int],
-                  materialize: set) -> list[_Site]:
+                  materialize: set, graph_writes: list[tuple[fx.Node, fx.Node]]) -> list[_Site]:
     """``site`` and the other btt sites on the blocks path, not yet rewritten, that read the same input
     (``x @ M``) with the same row blocks, rank and column block size, in graph order: one
     :func:`~comera_compile.kernels.tt_runtime.btt_linear_shared` call placed before the first of them.
@@ -488,8 +488,8 @@ def _blocks_batch(site: _Site, sites: list[_Site], done: set[int], order: dict[f
         if M.first_write(M.nodes_between(first, other.node), [site.x]) is not None:
             break
         kept.append(other)
-    writes = M.writes(M.nodes_between(first, None))  # everything after the first site, to the end
-    kept = [s for s in kept if M.first_alias(writes, [s.node]) is None]
+    # the pass's one scan of the graph's writes (a write before a site cannot reach its new output)
+    kept = [s for s in kept if M.first_alias(graph_writes, [s.node]) is None]
     return kept if site in kept and len(kept) > 1 else [site]
 
 
@@ -545,7 +545,7 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     for site in alone:
         if id(site) in done:
             continue
-        batch = _blocks_batch(site, alone, done, order, materialize)
+        batch = _blocks_batch(site, alone, done, order, materialize, graph_writes)
         where = module_name(site.node)
         try:
             if len(batch) > 1:
