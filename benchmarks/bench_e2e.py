@@ -36,7 +36,7 @@ whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``), ``
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
 (CUDA events), peak memory allocated and reserved (``max_memory_reserved`` includes CUDA-graph pools),
-kernels per step and GPU time by kind (profiler), compile time (the warm-up steps minus steady steps),
+kernels per step and GPU time by kind (profiler; ``--json`` also lists the 15 kernels that take the most), compile time (the warm-up steps minus steady steps),
 parameters. The table goes to stdout; ``--json`` keeps everything.
 """
 
@@ -264,6 +264,7 @@ def _kernel_stats(step, device) -> dict:
             step()
         torch.cuda.synchronize(device)
     kinds = {"gemm": 0.0, "inductor": 0.0, "adam": 0.0, "other": 0.0}
+    by_name: dict[str, list[float]] = {}  # kernel name -> [GPU microseconds, launches] over the 3 steps
     count = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
@@ -273,6 +274,9 @@ def _kernel_stats(step, device) -> dict:
             continue
         count += 1
         t = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+        entry = by_name.setdefault(evt.name[:120], [0.0, 0])
+        entry[0] += t
+        entry[1] += 1
         if any(k in name for k in ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
             kinds["gemm"] += t
         elif name.startswith("triton"):
@@ -281,7 +285,9 @@ def _kernel_stats(step, device) -> dict:
             kinds["adam"] += t
         else:
             kinds["other"] += t
-    return {"kernels_per_step": count / 3, **{f"gpu_ms_{k}": v / 3e3 for k, v in kinds.items()}}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]  # where the step's GPU time goes
+    return {"kernels_per_step": count / 3, **{f"gpu_ms_{k}": v / 3e3 for k, v in kinds.items()},
+            "top_kernels": [{"name": n, "ms": t / 3e3, "per_step": c / 3} for n, (t, c) in top]}
 
 
 def run_variant(model_name: str, variant: str, args) -> dict:
