@@ -299,8 +299,8 @@ def btt_linear(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tensor
         rows, cols = cols, rows
     with _no_autocast(x):
         first = (first * gates[0].to(first.dtype)).to(dtype)
-        return _btt_apply(x.to(dtype), first, second.to(dtype), rows, cols,
-                          None if bias is None else bias.to(dtype))
+        (y,) = _btt_apply(x.to(dtype), first, [second.to(dtype)], rows)
+        return _finish(y, cols, None if bias is None else bias.to(dtype))
 
 
 def btt_linear_shared(x: torch.Tensor, core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor],
@@ -309,37 +309,36 @@ def btt_linear_shared(x: torch.Tensor, core_flats: Sequence[torch.Tensor], gate_
     """:func:`btt_linear` (``x @ M + bias``) for several block tensor-train layers that read the same
     ``x`` and have the same row blocks, rank and column block size (``b1 x b2``, ``r``, ``a``; the
     number of column blocks ``c`` may differ: Q, K and V; an MLP's gate and up projections): their
-    cores concatenated along the column blocks make one wider btt layer, one ``comera::btt_blocks``
-    call, whose output is split back per layer. Returns one output per layer, in order."""
-    firsts, seconds, widths = [], [], []
+    first cores concatenated along the column blocks, one ``comera::btt_blocks`` call that writes each
+    layer's output on its own. Returns one output per layer, in order."""
+    firsts, seconds = [], []
     for core_flat, gate_flat, spec in zip(core_flats, gate_flats, specs):
         (R, L), gates = split_flat(core_flat, gate_flat, spec)
         firsts.append(R * gates[0].to(R.dtype))
         seconds.append(L)
-        widths.append(spec.col_modes[0] * spec.col_modes[1])
     with _no_autocast(x):
         R = torch.cat([f.to(dtype) for f in firsts], dim=2)  # [b1, b2, C, r]
-        L = torch.cat([t.to(dtype) for t in seconds], dim=1)  # [r, C, b1, a]
-        y = _btt_apply(x.to(dtype), R, L, specs[0].rows, sum(widths), None)
-        outs = []
-        for part, spec, bias in zip(y.split(widths, dim=-1), specs, biases):
-            part = _crop(part, part.dim() - 1, spec.cols)
-            outs.append(part if bias is None else part + bias.to(dtype))
-        return tuple(outs)
+        ys = _btt_apply(x.to(dtype), R, [t.to(dtype) for t in seconds], specs[0].rows)
+        return tuple(_finish(y, spec.cols, None if bias is None else bias.to(dtype))
+                     for y, spec, bias in zip(ys, specs, biases))
 
 
-def _btt_apply(x: torch.Tensor, R: torch.Tensor, L: torch.Tensor, rows: int, cols: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., rows] -> [..., cols]`` through ``R [b1, b2, c, r]`` (gate folded in) and ``L [r, c, b1, a]``."""
+def _btt_apply(x: torch.Tensor, R: torch.Tensor, Ls: Sequence[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """``x [..., rows] -> [..., c_i a]`` per second core ``Ls[i]`` [r, c_i, b1, a] through ``R`` [b1, b2,
+    C, r] (gate folded in; ``C = sum c_i``), one ``comera::btt_blocks`` call; each output uncropped."""
     b1, b2, c, r = R.shape
-    a = L.shape[3]
     lead = x.shape[:-1]
     xt = x.reshape(-1, x.shape[-1])
     if rows < b1 * b2:  # the padding rows of M meet zero features
         xt = torch.nn.functional.pad(xt, (0, b1 * b2 - rows))
-    y, _ = torch.ops.comera.btt_blocks(xt.contiguous(), R.reshape(b1, b2, c * r),
-                                       L.permute(1, 2, 0, 3).reshape(c, b1 * r, a), c, r)
-    y = _crop(y, 1, cols).reshape(*lead, cols)
+    seconds = [L.permute(1, 2, 0, 3).reshape(L.shape[1], b1 * r, L.shape[3]) for L in Ls]
+    ys = torch.ops.comera.btt_blocks(xt.contiguous(), R.reshape(b1, b2, c * r), seconds, r)[:-1]
+    return [y.reshape(*lead, y.shape[-1]) for y in ys]
+
+
+def _finish(y: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y`` cropped to its layer's ``cols`` outputs, plus the bias."""
+    y = _crop(y, y.dim() - 1, cols)
     return y if bias is None else y + bias
 
 

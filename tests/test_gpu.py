@@ -154,6 +154,40 @@ def test_btt_blocks_bf16_against_float64_on_gpu(x_times_m):
         assert _rel(gg, wg) < 3e-2
 
 
+def test_btt_layers_sharing_one_input_bf16_against_float64_on_gpu():
+    """Three btt layers reading one input (Q, K, V-like; V with half the column blocks) through one
+    comera::btt_blocks call in bf16, each output and gradient against float64 per layer."""
+    from comera_compile.kernels import tt_runtime
+    from comera_compile.tt import TTSpec, join_flat, materialize
+
+    specs = [TTSpec("btt", (64, 64), (64, 64), (1, 2, 1), 4096, 4096, True),
+             TTSpec("btt", (64, 64), (64, 64), (1, 2, 1), 4096, 4096, True),
+             TTSpec("btt", (64, 64), (32, 64), (1, 2, 1), 4096, 2048, True)]
+    gen = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(2048, 4096, device="cuda", generator=gen, dtype=torch.float64, requires_grad=True)
+    leaves, flats, wants = [], [], []
+    for spec in specs:
+        R, L = (torch.randn(*s, device="cuda", generator=gen, dtype=torch.float64) * 0.1 for s in spec.core_shapes)
+        g = torch.rand(2, device="cuda", generator=gen, dtype=torch.float64) + 0.5
+        ref = [t.clone().requires_grad_() for t in (R, L, g)]
+        wants.append((ref, x @ materialize(ref[:2], ref[2:], spec._replace(transpose=False))))
+        lf = [t.detach().float().requires_grad_() for t in (R, L, g)]
+        leaves.append(lf)
+        flats.append(join_flat(lf[:2], lf[2:]))
+    xb = x.detach().bfloat16().requires_grad_()
+    got = tt_runtime.btt_linear_shared(xb, [f[0] for f in flats], [f[1] for f in flats], specs, [None] * 3,
+                                       torch.bfloat16)
+    dys = [torch.randn_like(w) for _, w in wants]
+    want_grads = torch.autograd.grad(sum((w * d).sum() for (_, w), d in zip(wants, dys)),
+                                     [x] + [t for ref, _ in wants for t in ref])
+    got_grads = torch.autograd.grad(sum((g.double() * d).sum() for g, d in zip(got, dys)),
+                                    [xb] + [t for lf in leaves for t in lf])
+    for g, (_, w) in zip(got, wants):
+        assert _rel(g, w.detach()) < 2e-2
+    for gg, wg in zip(got_grads, want_grads):
+        assert _rel(gg, wg) < 3e-2
+
+
 def test_ttm_contract_bf16_against_float64_on_gpu():
     from comera_compile.kernels import tt_runtime
     from comera_compile.tt import TTSpec, join_flat, materialize

@@ -59,14 +59,55 @@ def test_btt_linear_matches_the_float64_reference_forward_and_backward(case, x_t
             torch.testing.assert_close(gg.double(), wg, rtol=tol, atol=tol, msg=f"d{name} in {dtype}")
 
 
-def test_btt_blocks_op_passes_opcheck():
-    """comera::btt_blocks: fake shapes and strides, autograd registration (torch.library.opcheck)."""
-    b1, b2, c, r, a, n = 3, 4, 5, 2, 3, 7
+@pytest.mark.parametrize("cs", [(5,), (5, 2, 3)], ids=["one-layer", "three-layers"])
+def test_btt_blocks_op_passes_opcheck(cs):
+    """comera::btt_blocks: fake shapes and strides, autograd registration (torch.library.opcheck), for
+    one second core and for three (layers sharing the input, each its own column blocks and width)."""
+    b1, b2, r, n = 3, 4, 2, 7
     gen = torch.Generator().manual_seed(2)
     args = (torch.randn(n, b1 * b2, generator=gen, dtype=torch.float64, requires_grad=True),
-            torch.randn(b1, b2, c * r, generator=gen, dtype=torch.float64, requires_grad=True),
-            torch.randn(c, b1 * r, a, generator=gen, dtype=torch.float64, requires_grad=True), c, r)
+            torch.randn(b1, b2, sum(cs) * r, generator=gen, dtype=torch.float64, requires_grad=True),
+            [torch.randn(c, b1 * r, 3 + i, generator=gen, dtype=torch.float64, requires_grad=True)
+             for i, c in enumerate(cs)], r)
     torch.library.opcheck(torch.ops.comera.btt_blocks.default, args)
+
+
+def _blocks_reference(x, first, seconds, r):
+    """The outputs of comera::btt_blocks written out with einsum, block by block (float64)."""
+    n, (b1, b2) = x.shape[0], first.shape[:2]
+    t = torch.einsum("njk,jkm->njm", x.view(n, b1, b2), first)  # [n, b1, C r]
+    t = t.view(n, b1, -1, r)
+    ys, c0 = [], 0
+    for s in seconds:
+        c = s.shape[0]
+        part = t[:, :, c0:c0 + c, :].permute(0, 2, 1, 3).reshape(n, c, b1 * r)  # [n, c, b1 r]
+        ys.append(torch.einsum("ncm,cma->nca", part, s).reshape(n, -1))
+        c0 += c
+    return ys
+
+
+@pytest.mark.parametrize("unused", [None, 1], ids=["all-used", "one-output-unused"])
+def test_btt_blocks_outputs_and_gradients_against_an_einsum_reference(unused):
+    """Three layers through one comera::btt_blocks call: each output and every gradient against the
+    float64 einsum written block by block; an output the loss never reads gets no gradient and
+    changes nothing."""
+    b1, b2, r, n, cs = 4, 3, 2, 6, (3, 5, 2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, b1 * b2, generator=gen, dtype=torch.float64)
+    first = torch.randn(b1, b2, sum(cs) * r, generator=gen, dtype=torch.float64)
+    seconds = [torch.randn(c, b1 * r, 2 + i, generator=gen, dtype=torch.float64) for i, c in enumerate(cs)]
+    leaves = [t.clone().requires_grad_() for t in [x, first] + seconds]
+    ref_leaves = [t.clone().requires_grad_() for t in [x, first] + seconds]
+    got = torch.ops.comera.btt_blocks(leaves[0], leaves[1], leaves[2:], r)[:-1]
+    want = _blocks_reference(ref_leaves[0], ref_leaves[1], ref_leaves[2:], r)
+    dys = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    loss = sum((g * d).sum() for i, (g, d) in enumerate(zip(got, dys)) if i != unused)
+    ref = sum((w * d).sum() for i, (w, d) in enumerate(zip(want, dys)) if i != unused)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    wants = torch.autograd.grad(ref, ref_leaves, allow_unused=True)  # the unused output's core: None
+    for g, w, leaf in zip(torch.autograd.grad(loss, leaves), wants, leaves):
+        torch.testing.assert_close(g, torch.zeros_like(leaf) if w is None else w)
 
 
 def test_btt_linear_fp16_is_close_to_the_reference():
@@ -327,10 +368,11 @@ def test_btt_layers_reading_one_input_share_one_blocks_call(monkeypatch):
     eager = _qkv()
     calls = []
     forward = btt_swap._blocks_forward
-    monkeypatch.setattr(btt_swap, "_blocks_forward", lambda *a: calls.append(a[2].shape) or forward(*a))
+    monkeypatch.setattr(btt_swap, "_blocks_forward",
+                        lambda *a: calls.append([s.shape[0] for s in a[2]]) or forward(*a))
     text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_strategy="blocks")
     assert text.count("one batched call with 2 other layer(s) reading the same input") == 3, text
-    assert calls and all(shape[0] == 32 + 32 + 16 for shape in calls)  # [C, b1 r, a]: one call, all three
+    assert calls and all(c == [32, 32, 16] for c in calls)  # the column blocks of each: one call, all three
 
 
 def test_an_output_written_in_place_keeps_its_layer_out_of_the_shared_call():
