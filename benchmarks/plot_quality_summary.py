@@ -1,8 +1,8 @@
 """Final validation loss against parameters for every row of the quality benchmark and its follow-ups
 (each point a seed; the dense rows joined), from a results file such as
-``benchmarks/results/quality_2026-12-01.json``.
+``benchmarks/results/quality_2026-12-02.json``.
 
-    python benchmarks/plot_quality_summary.py benchmarks/results/quality_2026-12-01.json --out docs/quality_summary.png
+    python benchmarks/plot_quality_summary.py benchmarks/results/quality_2026-12-02.json --out docs/quality_summary.png
 """
 
 from __future__ import annotations

@@ -380,8 +380,8 @@ def for_kind(mapping: dict | None, kind: str):
 
 # --preset gpu's learning rate when --lr is not given: each the best of its row in the quality benchmark
 # (GPT d 768, batch 32 x 512, 31 M tokens; a sweep of three, factor 2 apart, then its follow-ups past the
-# edges). TT-matrix learned best at 8x dense's lr (4.8e-3; 9.6e-3 was worse), BTT at 16x (9.6e-3, the
-# largest tried: 2.654 / 2.750 over two seeds against 2.888 at 4.8e-3).
+# edges). TT-matrix learned best at 8x dense's lr (4.8e-3; 9.6e-3 was worse), BTT at 16x (9.6e-3 through
+# the package: 2.595 / 2.572 over two seeds against 2.685 at 4.8e-3 and 2.710 at 1.92e-2).
 GPU_LRS = {"dense": 6e-4, "ttm": 4.8e-3, "btt": 9.6e-3, "rank-adapt": 2.4e-3, "tt": 1.2e-3, "lowrank": 2.4e-3,
            "lowrank-act": 1.2e-3}
 

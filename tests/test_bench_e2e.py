@@ -84,7 +84,7 @@ def test_plot_quality_summary_draws_every_row_and_refuses_an_empty_one(tmp_path)
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     out = tmp_path / "q.png"
-    plot.main([str(ROOT / "benchmarks" / "results" / "quality_2026-12-01.json"), "--out", str(out)])
+    plot.main([str(ROOT / "benchmarks" / "results" / "quality_2026-12-02.json"), "--out", str(out)])
     assert out.stat().st_size > 1000
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rows": [{"row": "x", "family": "dense", "parameters": 1, "val_loss": []}]}))
