@@ -101,8 +101,17 @@ def _stacked_chain(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torc
     """Per core position: the K layers' cores as [K, r, s, r] (s = m * n), each gate folded into its
     left core, in ``dtype``. The layers' flat storages are stacked once ([K, numel]); every core is a
     strided view of that stack, so the whole group costs one stack per storage, not one per core."""
-    cores = torch.stack(list(core_flats)) if len(core_flats) > 1 else core_flats[0][None]
-    gates = torch.stack(list(gate_flats)) if len(gate_flats) > 1 else gate_flats[0][None]
+    return _chain_of_stack(_stack(core_flats), _stack(gate_flats), modes, ranks, dtype)
+
+
+def _stack(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The K layers' flat storages as one [K, numel] tensor (a view for one layer)."""
+    return torch.stack(list(flats)) if len(flats) > 1 else flats[0][None]
+
+
+def _chain_of_stack(cores: torch.Tensor, gates: torch.Tensor, modes: Sequence[tuple[int, int]],
+                    ranks: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """:func:`_stacked_chain` of storages already stacked, ``cores`` [K, numel] and ``gates`` [K, n_gates]."""
     K, d = cores.shape[0], len(modes)
     chain, off, goff = [], 0, 0
     for k, (m, n) in enumerate(modes):
@@ -161,46 +170,47 @@ def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch
     """
     if output not in OUTPUTS:
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
+    if spec.fmt == "btt" and output not in ("dense", "dense_t"):
+        raise ValueError(f"group_outputs: a btt layer gives output 'dense' or 'dense_t', got {output!r}")
+    return _per_layer(*_group_stacked(_stack(core_flats), _stack(gate_flats), spec, plan, output, dtype))
+
+
+def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan: Union[Cut, "TTPlan"],
+                   output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`group_outputs` of the stacked storages ``cores`` [K, numel] and ``gates`` [K, n_gates]:
+    each of the output's tensors stacked over the K layers ([K, ...]; layer k's is index k)."""
     if spec.fmt == "btt":
-        if output not in ("dense", "dense_t"):
-            raise ValueError(f"group_outputs: a btt layer gives output 'dense' or 'dense_t', got {output!r}")
-        with _no_autocast(core_flats[0]):
-            return _per_layer(_btt_group_weights(core_flats, gate_flats, spec, dtype, output == "dense_t"))
+        with _no_autocast(cores):
+            return (_btt_group_weights(cores, gates, spec, dtype, output == "dense_t"),)
     modes, ranks, rows, cols = spec.chain_modes, spec.ranks, spec.rows, spec.cols
-    with _no_autocast(core_flats[0]):
-        chain = _stacked_chain(core_flats, gate_flats, modes, ranks, dtype)
+    with _no_autocast(cores):
+        chain = _chain_of_stack(cores, gates, modes, ranks, dtype)
         L = _merge(chain, plan.left)[:, 0]  # [K, S_L, r]
         R = _merge(chain, plan.right)[..., 0]  # [K, r, S_R]
         if output in ("factors", "factors_t", "tables"):
             L, R = _pad_rank(L, R)
         if output in ("factors", "factors_t"):
             f1, f2 = _crop(L, 1, rows), _crop(R, 2, cols).transpose(1, 2)
-            if output == "factors_t":
-                f1, f2 = f2, f1
-            return _per_layer(f1, f2)
+            return (f2, f1) if output == "factors_t" else (f1, f2)
         if output == "tables":
-            return _per_layer(_to_rows_cols(L, modes[:plan.split], rank_first=False),
-                              _to_rows_cols(R, modes[plan.split:], rank_first=True))
+            return (_to_rows_cols(L, modes[:plan.split], rank_first=False),
+                    _to_rows_cols(R, modes[plan.split:], rank_first=True))
         P, Q = spec.padded_rows, spec.padded_cols
         K = L.shape[0]
         full = torch.bmm(L, R)  # [K, S_L, S_R]: chain order
         if spec.interleaved:
             full = _to_rows_cols(full.reshape(K, -1, 1), modes, rank_first=False)
         m = _crop(_crop(full.reshape(K, P, Q), 1, rows), 2, cols)
-        if output == "dense_t":
-            m = m.transpose(1, 2)
-        return _per_layer(m)
+        return (m.transpose(1, 2) if output == "dense_t" else m,)
 
-
-def _btt_group_weights(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
-                       dtype: torch.dtype, transpose: bool) -> torch.Tensor:
-    """K block tensor-trains of one structure as their matrices ``M[:rows, :cols]`` ([K, rows, cols];
-    ``transpose``: [K, cols, rows]) in ``dtype``: the flat storages stacked once, then one batched
-    product over every layer and block, ``M[z, (j, b), (c, a)] = sum_k R[z, j, b, c, k] g[z, k] L[z, k, c, j, a]``
-    (what :func:`btt_weight` forms for one layer)."""
+def _btt_group_weights(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, dtype: torch.dtype,
+                       transpose: bool) -> torch.Tensor:
+    """K block tensor-trains of one structure, their flat storages stacked (``cores`` [K, numel],
+    ``gates`` [K, r]), as their matrices ``M[:rows, :cols]`` ([K, rows, cols]; ``transpose``: [K, cols,
+    rows]) in ``dtype``: one batched product over every layer and block,
+    ``M[z, (j, b), (c, a)] = sum_k R[z, j, b, c, k] g[z, k] L[z, k, c, j, a]`` (what :func:`btt_weight`
+    forms for one layer)."""
     (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
-    cores = torch.stack(list(core_flats)) if len(core_flats) > 1 else core_flats[0][None]
-    gates = torch.stack(list(gate_flats)) if len(gate_flats) > 1 else gate_flats[0][None]
     K, n_r = cores.shape[0], b1 * b2 * c * r
     R = cores[:, :n_r].view(K, b1, b2, c, r).to(dtype) * gates.to(dtype)[:, None, None, None, :]
     L = cores[:, n_r:].view(K, r, c, b1, a).to(dtype)
@@ -405,22 +415,33 @@ def _read_meta(meta: str) -> tuple[TTSpec, Cut, str, torch.dtype]:
             getattr(torch, dtype))
 
 
+def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``t`` as an op may return it: contiguous, and a copy where it shares storage with an input (a
+    merge of one core can be a view of the stacked storage itself); otherwise ``t`` as it is."""
+    t = t.contiguous()
+    if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+        t = t.clone()
+    return t
+
+
 @torch.library.custom_op("comera::tt_group_merge", mutates_args=())
-def _tt_group_merge(core_flats: list[torch.Tensor], gate_flats: list[torch.Tensor], meta: str) -> list[torch.Tensor]:
+def _tt_group_merge(cores: torch.Tensor, gates: torch.Tensor, meta: str) -> list[torch.Tensor]:
+    """The stacked outputs of :func:`_group_stacked` (``cores`` [K, numel], ``gates`` [K, n_gates]):
+    one tensor per output kind, not one per layer, so the forward copies nothing per layer."""
     spec, cut, output, dtype = _read_meta(meta)
-    return [t.clone() for t in group_outputs(core_flats, gate_flats, spec, cut, output, dtype)]
+    return [_fresh(t, (cores, gates)) for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
 
 
 @_tt_group_merge.register_fake
-def _(core_flats, gate_flats, meta):
+def _(cores, gates, meta):
     spec, cut, output, dtype = _read_meta(meta)
-    return [t.clone() for t in group_outputs(core_flats, gate_flats, spec, cut, output, dtype)]
+    return [t.contiguous().clone() for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
 
 
 @torch.library.custom_op("comera::tt_group_merge_backward", mutates_args=())
-def _tt_group_merge_backward(core_flats: list[torch.Tensor], gate_flats: list[torch.Tensor],
-                             grads: list[torch.Tensor], meta: str) -> list[torch.Tensor]:
-    """The gradients of ``comera::tt_group_merge`` (core flats, then gate flats): its merges recomputed
+def _tt_group_merge_backward(cores: torch.Tensor, gates: torch.Tensor, grads: list[torch.Tensor],
+                             meta: str) -> list[torch.Tensor]:
+    """The gradients of ``comera::tt_group_merge`` for ``cores`` and ``gates``: its merges recomputed
     with autograd on (an op's body runs below autograd: the guard puts the autograd keys back)."""
     spec, cut, output, dtype = _read_meta(meta)
     if not all(hasattr(torch._C, name) for name in ("_ForceDispatchKeyGuard", "_dispatch_tls_local_exclude_set")):
@@ -429,27 +450,31 @@ def _tt_group_merge_backward(core_flats: list[torch.Tensor], gate_flats: list[to
     include = torch._C._dispatch_tls_local_include_set()
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
     with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in list(core_flats) + list(gate_flats)]
-        outs = group_outputs(leaves[:len(core_flats)], leaves[len(core_flats):], spec, cut, output, dtype)
+        leaves = [cores.detach().requires_grad_(), gates.detach().requires_grad_()]
+        outs = _group_stacked(leaves[0], leaves[1], spec, cut, output, dtype)
         got = torch.autograd.grad(outs, leaves, list(grads), allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g.clone() for t, g in zip(leaves, got)]
+    return [torch.zeros_like(t) if g is None else _fresh(g, list(grads) + [cores, gates])
+            for t, g in zip(leaves, got)]
 
 
 @_tt_group_merge_backward.register_fake
-def _(core_flats, gate_flats, grads, meta):
-    return [torch.empty_like(t) for t in list(core_flats) + list(gate_flats)]
+def _(cores, gates, grads, meta):
+    return [torch.empty_like(cores), torch.empty_like(gates)]
 
 
 def _merge_setup(ctx, inputs, output) -> None:
-    core_flats, gate_flats, meta = inputs
-    ctx.meta, ctx.n = meta, len(core_flats)
-    ctx.save_for_backward(*core_flats, *gate_flats)
+    cores, gates, meta = inputs
+    ctx.meta, ctx.shapes = meta, [(o.shape, o.dtype) for o in output]
+    ctx.save_for_backward(cores, gates)
 
 
 def _merge_backward(ctx, grads):
-    saved = ctx.saved_tensors
-    out = torch.ops.comera.tt_group_merge_backward(list(saved[:ctx.n]), list(saved[ctx.n:]), list(grads), ctx.meta)
-    return out[:ctx.n], out[ctx.n:], None
+    cores, gates = ctx.saved_tensors
+    # an output kind the loss does not reach may come as None: its gradient is zero
+    grads = [torch.zeros(shape, dtype=dtype, device=cores.device) if g is None else g
+             for g, (shape, dtype) in zip(grads, ctx.shapes)]
+    g_cores, g_gates = torch.ops.comera.tt_group_merge_backward(cores, gates, grads, ctx.meta)
+    return g_cores, g_gates, None
 
 
 _tt_group_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
@@ -462,5 +487,7 @@ def group_outputs_opaque(core_flats: Sequence[torch.Tensor], gate_flats: Sequenc
     ``tt_merges="opaque"``, where Inductor generates no kernels for the merges. Same values."""
     if output not in OUTPUTS:
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
-    return tuple(torch.ops.comera.tt_group_merge(list(core_flats), list(gate_flats),
-                                                 _merge_meta(spec, plan, output, dtype)))
+    # the storages stacked and the outputs unbound in the graph (one stack per storage, views per layer)
+    stacked = torch.ops.comera.tt_group_merge(_stack(core_flats), _stack(gate_flats),
+                                              _merge_meta(spec, plan, output, dtype))
+    return _per_layer(*stacked)

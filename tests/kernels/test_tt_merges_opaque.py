@@ -69,19 +69,27 @@ def test_opaque_merges_train_like_eager(fmt):
     (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True), "factors"),
     (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, False), "tables"),
 ], ids=["ttm-dense", "tt-factors", "ttm-tables"])
-def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output):
-    """Two layers in one group; values exact, gradients to float64 rounding, against group_outputs."""
+@pytest.mark.parametrize("layers", [2, 1])
+def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output, layers):
+    """Two layers in one group, and one (whose merge of a single core would be a view of its own
+    storage); values exact, gradients to float64 rounding, against group_outputs. The op takes the
+    stacked storages and returns each output kind stacked, so the layers' outputs are views of one
+    tensor per kind: nothing is copied per layer."""
     gen = torch.Generator().manual_seed(0)
     n_core = sum(torch.Size(s).numel() for s in spec.core_shapes)
-    flats = [torch.randn(n_core, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    flats = [torch.randn(n_core, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(layers)]
     gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
-             for _ in range(2)]
+             for _ in range(layers)]
     plan = planner.plan_embedding(spec, 16) if output == "tables" else planner.plan_linear(spec, 16)
     meta = tt_runtime._merge_meta(spec, plan, output, torch.float64)
-    torch.library.opcheck(torch.ops.comera.tt_group_merge, (flats, gates, meta))
+    stacked = (torch.stack(flats), torch.stack(gates)) if layers > 1 else (flats[0][None], gates[0][None])
+    torch.library.opcheck(torch.ops.comera.tt_group_merge, (*stacked, meta))
     got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, output, torch.float64)
     want = tt_runtime.group_outputs(flats, gates, spec, plan, output, torch.float64)
     assert len(got) == len(want)
+    per_kind = len(got) // layers
+    for kind in range(per_kind):  # layer k's output of each kind: index k of one stacked tensor
+        assert len({got[k * per_kind + kind]._base.data_ptr() for k in range(layers)}) == 1
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     weights = [torch.randn_like(t) for t in want]
@@ -92,3 +100,21 @@ def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output):
 def test_a_bad_tt_merges_value_names_the_choices():
     with pytest.raises(OptionsError, match=r"option 'tt_merges' got 'fast'; valid values: \['inductor', 'opaque'\]"):
         cc.CompileOptions(tt_merges="fast")
+
+
+def test_an_output_kind_the_loss_never_reads_gets_zero_gradient():
+    """Factors (F1, F2) of two layers where the loss reads only the F1s: the F2 kind's gradient comes
+    as None to the op's backward, which takes it as zero; the gradients match group_outputs'."""
+    spec = TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True)
+    gen = torch.Generator().manual_seed(1)
+    n_core = sum(torch.Size(s).numel() for s in spec.core_shapes)
+    flats = [torch.randn(n_core, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
+             for _ in range(2)]
+    plan = planner.plan_linear(spec, 16)
+    got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, "factors", torch.float64)
+    want = tt_runtime.group_outputs(flats, gates, spec, plan, "factors", torch.float64)
+    loss_got = sum((t * t).sum() for t in got[0::2])
+    loss_want = sum((t * t).sum() for t in want[0::2])
+    for a, b in zip(torch.autograd.grad(loss_got, flats + gates), torch.autograd.grad(loss_want, flats + gates)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
