@@ -6,6 +6,9 @@
 # The run recorded in BENCHMARKS.md (2026-12-01) trained the rank gates at 10x the lr, train_lm's default
 # then; the default is now 1x (better by 0.19 nats for TT-matrix r32). To repeat that run exactly, set
 # EXTRA="--cuda-graphs --gate-lr-scale 10".
+# The benchmark at the tuned learning rates only (the group "tuned": 7 runs, no sweep; about 10 minutes
+# of GPU time with its timing pass, as the 2026-12-02 follow-up's 13 side-by-side runs and 6-config
+# timing pass took 7.9 and 2.3 minutes): GROUP=tuned LRS=none bash benchmarks/quality_benchmark.sh DIR.
 # Then, on any machine, the tables and plots from the logs:
 #   python benchmarks/quality_study.py --out-dir DIR --configs benchmark --report-only --plot-dir docs \
 #       --plot-prefix quality_benchmark_
@@ -16,9 +19,11 @@ out_dir=${1:-qb}
 deadline=${2:-}
 concurrency=${3:-14}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-common=(--out-dir "$out_dir" --configs benchmark --steps 1900 --batch-size 32 --eval-every 190
+common=(--out-dir "$out_dir" --configs "${GROUP:-benchmark}" --steps 1900 --batch-size 32 --eval-every 190
         "--extra=${EXTRA:---cuda-graphs}")
 python3 benchmarks/quality_study.py "${common[@]}" --timing --timing-steps 40 --deadline-s "${TIMING_DEADLINE_S:-360}" ||
     echo "timing pass: rc $?"
-python3 benchmarks/quality_study.py "${common[@]}" --lrs grid --concurrency "$concurrency" \
+lrs=(--lrs grid)
+[ "${LRS:-grid}" = none ] && lrs=()  # the group's own NAME@LR learning rates
+python3 benchmarks/quality_study.py "${common[@]}" "${lrs[@]}" --concurrency "$concurrency" \
     ${deadline:+--deadline-s "$deadline"}

@@ -242,6 +242,11 @@ GROUPS = {
               "ttm-c4-iso@0.0024", "ttm-c4-iso@0.0096", "ttm-r32-fanin@0.0006", "ttm-r32-fanin@0.0012",
               "ttm-r32-fanin@0.0024", "tt-all-silu@0.0006", "tt-all@0.0006", "btt-pkg-g10-wd@0.0096",
               "btt-pkg@0.0096"],  # btt-pkg: the gate at the cores' lr (train_lm's default now), no core decay
+    # the benchmark at the tuned learning rates (each row's best of its sweep, BENCHMARKS.md section 4):
+    # the baselines (dense, dense-iso over two seeds, plain low-rank) and the kept formats (TT-matrix r32,
+    # btt r1 through the package over two seeds); 7 runs side by side, then --timing alone
+    "tuned": ["dense@0.0006", "dense-iso@0.0012", "dense-iso-s1@0.0012", "lowrank-iso@0.0024", "ttm-r32@0.0048",
+              "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
