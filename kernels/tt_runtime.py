@@ -203,6 +203,7 @@ def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan:
         m = _crop(_crop(full.reshape(K, P, Q), 1, rows), 2, cols)
         return (m.transpose(1, 2) if output == "dense_t" else m,)
 
+
 def _btt_group_weights(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, dtype: torch.dtype,
                        transpose: bool) -> torch.Tensor:
     """K block tensor-trains of one structure, their flat storages stacked (``cores`` [K, numel],
