@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still open in BENCHMARKS.md, in one background job on one H200 (about 14 minutes):
 #   1. the GPU tests of the kernels (bf16 against float64), the btt layers sharing an input among them;
+#      the swap kernel's bandwidth against a plain copy (bench_swap: widened and narrow);
 #   2. the width sweep's btt rows after comera::btt_blocks began writing each layer's output on its own
 #      (commit e0409a0: the gradients of Q, K and V, and of gate and up, no longer concatenated);
 #   3. tt_merges="opaque" after its op stopped copying per layer (stacked storages in, stacked outputs out):
@@ -16,6 +17,8 @@ stamp() { echo "$(date +%T) $*" >> "$out/progress.txt"; }
 stamp start
 timeout 240 python3 -m pytest -q tests/test_gpu.py > "$out/gpu_tests.log" 2>&1
 stamp "gpu tests rc $?"
+timeout 120 python3 benchmarks/bench_swap.py --json "$out/swap.json" > "$out/swap.log" 2>&1
+stamp "swap rc $?"
 timeout 300 python3 benchmarks/bench_e2e.py --model lm-d4096 --steps 20 --variants dense-inductor-cg,btt,btt-r4 \
   --json "$out/width-d4096.json" > "$out/width-d4096.log" 2>&1
 stamp "width d4096 rc $?"

@@ -59,27 +59,45 @@ def _blocks(k: int) -> tuple[int, int, int]:
     return side, side, bk
 
 
-def _swap_triton(x: torch.Tensor) -> torch.Tensor:
-    A, M, B, K = x.shape
-    y = x.new_empty((B, M, A, K))
+_WIDE = {4: torch.int32, 8: torch.int64}  # bytes -> the integer type of that width
+
+
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    """``x [A, M, B, K]`` (contiguous) read as ``[A, M, B, K']`` of wider integers holding its K
+    elements a few at a time (K' = K x itemsize / 8 where that divides, else 4 or 2 bytes), so that the
+    copy moves 8 bytes per element: the swap of rank-4 bf16 blocks is then the swap of one int64 per
+    (A, M, B) position. The same tensor when K x itemsize allows no wider element."""
+    row = x.shape[3] * x.element_size()
+    for width in (8, 4):
+        if width > x.element_size() and row % width == 0:
+            return x.view(_WIDE[width])
+    return x
+
+
+def _swap_triton(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    src = _widened(x) if widen else x
+    A, M, B, K = src.shape
+    y = src.new_empty((B, M, A, K))
     if y.numel() == 0:
-        return y
+        return y.view(x.dtype)
     ba, bb, bk = _blocks(K)
     grid = (triton.cdiv(A, ba) * triton.cdiv(B, bb) * M,)
-    _swap_kernel[grid](x, y, A, M, B, K, BLOCK_A=ba, BLOCK_B=bb, BLOCK_K=bk)
-    return y
+    _swap_kernel[grid](src, y, A, M, B, K, BLOCK_A=ba, BLOCK_B=bb, BLOCK_K=bk)
+    return y.view(x.dtype)
 
 
-def swap_blocks(x: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+def swap_blocks(x: torch.Tensor, impl: str = "auto", widen: bool = True) -> torch.Tensor:
     """``x [A, M, B, K] -> [B, M, A, K]``, contiguous: the Triton kernel (``impl="auto"`` on CUDA,
     ``"triton"``) or ``permute(2, 1, 0, 3).contiguous()`` (``"torch"``, and ``"auto"`` on the CPU). Under
     ``"auto"``, a kernel that fails to build or launch is reported once (a warning on the
-    ``comera_compile`` logger) and the permute serves from then on; ``"triton"`` raises."""
+    ``comera_compile`` logger) and the permute serves from then on; ``"triton"`` raises. ``widen``
+    (default): the kernel moves the ``K`` elements of each position as wider integers where ``K`` x
+    the element size is a multiple of 4 or 8 bytes (the same bytes, so the same result)."""
     if x.dim() != 4:
         raise ValueError(f"btt_swap: expected a 4-D tensor [A, M, B, K], got shape {tuple(x.shape)}")
     if use_triton(x, impl, op="btt_swap") and (impl == "triton" or not _BROKEN):
         try:
-            return _swap_triton(x.contiguous())
+            return _swap_triton(x.contiguous(), widen)
         except Exception as exc:  # a Triton build that cannot compile the kernel: stay correct, say so once
             if impl == "triton":
                 raise

@@ -90,3 +90,16 @@ def test_plot_quality_summary_draws_every_row_and_refuses_an_empty_one(tmp_path)
     bad.write_text(json.dumps({"rows": [{"row": "x", "family": "dense", "parameters": 1, "val_loss": []}]}))
     with pytest.raises(SystemExit, match="every row needs at least one val_loss"):
         plot.main([str(bad), "--out", str(out)])
+
+
+def test_bench_swap_smoke_checks_the_permute_at_each_layers_blocks(capsys):
+    """benchmarks/bench_swap.py --smoke: each layer's forward and backward swap shape from its btt
+    blocks, the permute checked against torch's (no timing on the CPU)."""
+    swap_spec = importlib.util.spec_from_file_location("bench_swap", ROOT / "benchmarks" / "bench_swap.py")
+    swap = importlib.util.module_from_spec(swap_spec)
+    swap_spec.loader.exec_module(swap)
+    assert swap.blocks(4096, 11008, 1) == (64, 128, 1)  # d_in = 64 x 64, d_out = 128 x 86
+    rows = swap.main(["--smoke"])
+    shapes = {(r["d_in"], r["d_out"], r["swap"]): r["shape"] for r in rows}
+    assert shapes[(64, 96, "fwd")][1:] == [16, shapes[(64, 96, "bwd")][0], 1]
+    assert {r["variant"] for r in rows} == {"permute", "copy"}

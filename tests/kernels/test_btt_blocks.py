@@ -171,17 +171,34 @@ SWAP_SHAPES = [(5, 1, 7, 3), (3, 4, 2, 1), (70, 2, 9, 4), (9, 3, 66, 1), (4, 2, 
 
 @pytest.mark.parametrize("shape", SWAP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_swap_kernel_matches_the_permute(shape, dtype):
+@pytest.mark.parametrize("widen", [True, False], ids=["wide", "narrow"])
+def test_swap_kernel_matches_the_permute(shape, dtype, widen):
     """The Triton kernel (interpreter) against permute(2, 1, 0, 3): K below, at and above the tile's 64,
-    ragged tiles on every axis, an empty tensor; exact (a copy)."""
+    ragged tiles on every axis, an empty tensor; exact (a copy). ``widen``: the K elements moved as
+    int32 / int64 where their bytes allow (fp16 K = 4: one int64; fp32 K = 70: 35; fp16 K = 70: 35
+    int32; K = 1 and fp16 K = 3: as they are)."""
     from comera_compile.kernels.btt_swap import swap_blocks
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     want = x.permute(2, 1, 0, 3).contiguous()
-    got = swap_blocks(x, impl="triton")
-    assert got.shape == want.shape and got.is_contiguous()
+    got = swap_blocks(x, impl="triton", widen=widen)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(got, want)
-    assert torch.equal(swap_blocks(got, impl="triton"), x)  # its own inverse
+    assert torch.equal(swap_blocks(got, impl="triton", widen=widen), x)  # its own inverse
+
+
+def test_the_widened_view_holds_the_same_bytes():
+    """What the kernel moves when it widens: [A, M, B, K] as [A, M, B, K'] of int64 / int32, K' = K x
+    itemsize / width; no view where no wider integer divides the row."""
+    from comera_compile.kernels import btt_swap
+
+    assert btt_swap._widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).shape == (2, 3, 4, 1)
+    assert btt_swap._widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).dtype == torch.int64
+    assert btt_swap._widened(torch.zeros(2, 3, 4, 6, dtype=torch.float16)).dtype == torch.int32
+    assert btt_swap._widened(torch.zeros(2, 3, 4, 2, dtype=torch.float32)).shape == (2, 3, 4, 1)
+    for x in (torch.zeros(2, 3, 4, 1, dtype=torch.bfloat16), torch.zeros(2, 3, 4, 3, dtype=torch.float16),
+              torch.zeros(2, 3, 4, 1, dtype=torch.float32)):
+        assert btt_swap._widened(x) is x
 
 
 def test_swap_op_backward_swaps_back_and_checks_its_input():
@@ -224,7 +241,7 @@ def test_swap_falls_back_to_the_permute_once_the_kernel_fails(monkeypatch, caplo
     monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
     monkeypatch.setattr(mod, "_BROKEN", [])
 
-    def broken(x):
+    def broken(x, widen=True):
         raise RuntimeError("no kernel here")
 
     monkeypatch.setattr(mod, "_swap_triton", broken)

@@ -1,0 +1,93 @@
+"""The block tensor-train's regrouping copy ``comera::btt_swap`` (``x [A, M, B, K] -> [B, M, A, K]``) against
+``permute(2, 1, 0, 3).contiguous()`` and a plain copy of the same bytes (``clone``: what the memory
+allows), bf16, at the shapes of the width sweep's btt layers, on one GPU. ``triton`` is the kernel as
+the blocks path runs it (rank > 1: the K elements of a position moved as one wider integer),
+``narrow`` the same kernel on the bf16 elements themselves.
+
+    python benchmarks/bench_swap.py                 # d 2048 and d 4096 layers, forward and backward swaps
+    python benchmarks/bench_swap.py --json out.json
+    python benchmarks/bench_swap.py --smoke         # CPU: checks the script (the permute only, no timing)
+
+Each layer ``d_in -> d_out`` at rank ``r`` over ``n`` tokens has its blocks from ``tensorize_``
+(``TTConfig(fmt="btt")``: ``d_in = b1 x b2``, ``d_out = c x a``); its forward swaps ``[b1, n, c, r]``, its
+backward ``[c, n, b1, r]``. Times: the median of CUDA events around one call, each after an L2 flush and
+a GPU spin (``bench_lowrank.cuda_time_ms``); ``TB/s``: bytes read and written over the time; ``x copy``:
+the time over the plain copy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import comera_compile as cc  # noqa: E402
+from comera_compile.kernels.btt_swap import swap_blocks  # noqa: E402
+from comera_compile.tensorize.parametrization import iter_tt_layers  # noqa: E402
+
+# (d_in, d_out, rank): the width sweep's attention and FFN layers at d 2048 and d 4096, and rank 4
+LAYERS = [(2048, 2048, 1), (2048, 5632, 1), (4096, 4096, 1), (4096, 11008, 1), (4096, 4096, 4)]
+SMOKE_LAYERS = [(64, 96, 1), (64, 64, 2)]
+
+
+def blocks(d_in: int, d_out: int, rank: int) -> tuple[int, int, int]:
+    """``(b1, c, r)`` of the btt layer ``tensorize_`` makes of a ``d_in -> d_out`` Linear."""
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, d_out))
+    cc.tensorize_(model, cc.TTConfig(fmt="btt", rank=rank, min_size=0))
+    (layer,) = list(iter_tt_layers(model))
+    return layer.spec.row_modes[0], layer.spec.col_modes[0], layer.spec.ranks[1]
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    smoke = args.smoke or not torch.cuda.is_available()
+    device = "cpu" if smoke else "cuda"
+    n = 16 if smoke else args.tokens
+    if not smoke:
+        from bench_lowrank import cuda_time_ms
+    rows = []
+    print(f"{torch.cuda.get_device_name() if not smoke else 'cpu (smoke: no timing)'}, torch {torch.__version__}")
+    print(f"{'layer':>22} {'swap':>4} {'shape [A, M, B, K]':>22} {'variant':>8} {'us':>8} {'TB/s':>6} {'x copy':>7}")
+    for d_in, d_out, rank in SMOKE_LAYERS if smoke else LAYERS:
+        b1, c, r = blocks(d_in, d_out, rank)
+        for which, shape in (("fwd", (b1, n, c, r)), ("bwd", (c, n, b1, r))):
+            x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+            want = x.permute(2, 1, 0, 3).contiguous()
+            fns = {"permute": lambda: swap_blocks(x, impl="torch"), "copy": lambda: x.clone()}
+            if not smoke:
+                fns["triton"] = lambda: swap_blocks(x, impl="triton")
+                fns["narrow"] = lambda: swap_blocks(x, impl="triton", widen=False)
+                for name in ("triton", "narrow"):
+                    torch.testing.assert_close(fns[name](), want, rtol=0, atol=0)
+            torch.testing.assert_close(fns["permute"](), want, rtol=0, atol=0)
+            nbytes = 2 * x.numel() * x.element_size()
+            times = {k: (float("nan") if smoke else 1e3 * cuda_time_ms(f, args.iters)) for k, f in fns.items()}
+            for variant in ("triton", "narrow", "permute", "copy"):
+                if variant not in times:
+                    continue
+                us = times[variant]
+                row = {"d_in": d_in, "d_out": d_out, "rank": rank, "swap": which, "shape": list(shape),
+                       "variant": variant, "us": us, "tb_s": nbytes / us / 1e6 if us == us else None,
+                       "x_copy": us / times["copy"] if us == us else None}
+                rows.append(row)
+                print(f"{f'{d_in} -> {d_out}, r{rank}':>22} {which:>4} {str(list(shape)):>22} {variant:>8} "
+                      f"{us:8.1f} {row['tb_s'] or float('nan'):6.2f} {row['x_copy'] or float('nan'):7.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
