@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     rows = data["rows"]
     if not rows or any(not r.get("val_loss") for r in rows):
         raise SystemExit(f"{args.results}: every row needs at least one val_loss")
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     dense = sorted((r for r in rows if r["family"] == "dense"), key=lambda r: r["parameters"])
     ax.plot([r["parameters"] / 1e6 for r in dense], [min(r["val_loss"]) for r in dense], color="black", lw=1,
             label="dense (best seed)")
@@ -63,6 +63,7 @@ def main(argv=None) -> None:
         ax.annotate(text, (x, y), xytext=(text_x, text_y), fontsize=7, va="center",
                     arrowprops=dict(arrowstyle="-", lw=0.4, color="gray"))
     ax.set_xscale("log")
+    ax.set_xlim(right=max(r["parameters"] for r in rows) / 1e6 * 1.3)  # room for the widest row's label
     ax.set_xlabel("parameters (millions, whole model)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title("GPT d768, 31 M tokens: each row at its best lr, one point per seed", fontsize=10)
