@@ -64,9 +64,9 @@ _WIDE = {4: torch.int32, 8: torch.int64}  # bytes -> the integer type of that wi
 
 def _widened(x: torch.Tensor) -> torch.Tensor:
     """``x [A, M, B, K]`` (contiguous) read as ``[A, M, B, K']`` of wider integers holding its K
-    elements a few at a time (K' = K x itemsize / 8 where that divides, else 4 or 2 bytes), so that the
-    copy moves 8 bytes per element: the swap of rank-4 bf16 blocks is then the swap of one int64 per
-    (A, M, B) position. The same tensor when K x itemsize allows no wider element."""
+    elements a few at a time (int64 where K x itemsize is a multiple of 8 bytes, else int32 where of 4):
+    the swap of rank-4 bf16 blocks is then the swap of one int64 per (A, M, B) position. The same
+    tensor when no integer wider than its elements divides K x itemsize."""
     row = x.shape[3] * x.element_size()
     for width in (8, 4):
         if width > x.element_size() and row % width == 0:

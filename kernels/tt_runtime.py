@@ -35,6 +35,7 @@ rows of the padding (``rows <= i < prod(row_modes)``) are out of range too.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
 
@@ -119,18 +120,8 @@ def _chain_of_stack(cores: torch.Tensor, gates: torch.Tensor, modes: Sequence[tu
     small Llama model, 689 -> 570 ops a step); traced by Inductor, the slices' backward fuses into
     fewer kernels than the concatenation (644 against 683 generated for the six-encoder model)."""
     K, d = cores.shape[0], len(modes)
-    sizes = [ranks[k] * m * n * ranks[k + 1] for k, (m, n) in enumerate(modes)]
-    if split:
-        pieces = torch.split(cores, sizes + [cores.shape[1] - sum(sizes)], dim=1)
-        bond_gates = torch.split(gates, [ranks[k + 1] for k in range(d - 1)] + [gates.shape[1] - sum(ranks[1:d])],
-                                 dim=1)
-    else:
-        offsets, goffs = [0], [0]
-        for k in range(d):
-            offsets.append(offsets[-1] + sizes[k])
-            goffs.append(goffs[-1] + ranks[k + 1])
-        pieces = [cores[:, offsets[k]:offsets[k + 1]] for k in range(d)]
-        bond_gates = [gates[:, goffs[k]:goffs[k + 1]] for k in range(d - 1)]
+    pieces = _cut(cores, [ranks[k] * m * n * ranks[k + 1] for k, (m, n) in enumerate(modes)], split)
+    bond_gates = _cut(gates, list(ranks[1:d]), split)
     chain = []
     for k, (m, n) in enumerate(modes):
         core = pieces[k].view(K, ranks[k], m * n, ranks[k + 1])
@@ -138,6 +129,15 @@ def _chain_of_stack(cores: torch.Tensor, gates: torch.Tensor, modes: Sequence[tu
             core = core * bond_gates[k][:, None, None, :]
         chain.append(core.to(dtype))
     return chain
+
+
+def _cut(t: torch.Tensor, sizes: Sequence[int], split: bool) -> Sequence[torch.Tensor]:
+    """``t`` [K, n] cut along its second axis into pieces of ``sizes`` (any rest beyond them dropped):
+    by one ``torch.split`` or by slices (see :func:`_chain_of_stack`)."""
+    if split:
+        return torch.split(t, list(sizes) + [t.shape[1] - sum(sizes)], dim=1)[:len(sizes)]
+    starts = [0, *itertools.accumulate(sizes)]
+    return [t[:, a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _merge(chain: list[torch.Tensor], bracket: Bracket) -> torch.Tensor:
