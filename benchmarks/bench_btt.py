@@ -1,29 +1,27 @@
-"""A block tensor-train layer's blocks path, forward + backward, bf16, on one GPU: the fused Triton kernel
-(``comera::btt_blocks`` as it runs by default) against the same op on batched library GEMMs with the
-swap kernel between them (the path before the fused kernel) and against the dense layer it replaces
-(``F.linear``, cuBLAS), at the width sweep's layer shapes.
+"""A block tensor-train layer's blocks path, forward + backward, bf16, on one GPU: ``comera::btt_blocks``
+(batched library GEMMs with the swap kernel between them) against the dense layer it replaces
+(``F.linear``, cuBLAS), at the width sweep's layer shapes: what the planner's choice between the blocks
+and the dense weight rests on, layer by layer.
 
     python benchmarks/bench_btt.py                      # d 1024, 2048 and 4096 layers at 8,192 tokens
-    python benchmarks/bench_btt.py --tiles              # also a sweep of the kernel's tile sizes
     python benchmarks/bench_btt.py --json out.json
-    python benchmarks/bench_btt.py --smoke              # CPU: checks the script (interpreter, no timing)
+    python benchmarks/bench_btt.py --smoke              # CPU: checks the script (no timing)
 
 Layers as the width sweep's Llama blocks have them after ``tensorize_(model, TTConfig(fmt="btt",
 rank=1))``: ``qkv`` (three d -> d layers reading one input: one op with three outputs), ``o`` (d -> d),
 ``gate_up`` (two d -> ffn layers), ``down`` (ffn -> d); ``dense`` is the one GEMM with every output's
 weight stacked. Times: the median of CUDA events around one forward + backward (every gradient: the
-input's and the cores'), each after an L2 flush and a GPU spin (``bench_lowrank.cuda_time_ms``). Every
-variant is checked against a float64 reference first (relative error of the outputs, of dx and of the
+input's and the cores'), each after an L2 flush and a GPU spin (``bench_lowrank.cuda_time_ms``). The
+blocks path is checked against a float64 reference first (relative error of the outputs, of dx and of the
 cores' gradients).
-``floor``: the bytes a layer cannot avoid (x, the outputs, their gradients and dx, once each) at 4.3 TB/s,
-or for ``dense`` its 3 GEMMs' FLOPs at 790 TFLOP/s, whichever is larger.
+``floor``: the bytes a layer cannot avoid (x twice, the outputs, their gradients and dx, once each) at
+4.3 TB/s, or for ``dense`` its 3 GEMMs' FLOPs at 790 TFLOP/s, whichever is larger.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,19 +33,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import comera_compile as cc  # noqa: E402
-from comera_compile.kernels import btt_fused, btt_swap  # noqa: E402
 from comera_compile.tensorize.parametrization import iter_tt_layers  # noqa: E402
 
 PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12
 WIDTHS = {1024: 2816, 2048: 5632, 4096: 11008}  # d -> Llama's FFN width (bench_e2e.llama_ffn)
-# --tiles: (BLOCK_N, BLOCK_J, BLOCK_C, BLOCK_A, BLOCK_B, warps, stages) per kernel (A and B capped at the layer's)
-TILE_SWEEP = {
-    "through": [(16, 16, 16, 64, 64, 4, 2), (32, 16, 16, 64, 64, 4, 2), (32, 16, 16, 64, 64, 8, 2),
-                (64, 16, 16, 64, 64, 8, 2), (32, 16, 16, 32, 32, 4, 3), (32, 32, 16, 64, 32, 8, 2),
-                (32, 16, 32, 32, 32, 8, 2)],
-    "grad": [(16, 16, 16, 64, 64, 4, 2), (32, 16, 16, 64, 64, 4, 2), (64, 16, 16, 64, 64, 8, 2),
-             (64, 16, 16, 32, 32, 4, 3), (128, 16, 16, 32, 32, 8, 3)],
-}
 
 
 def spec_of(d_in: int, d_out: int, rank: int):
@@ -89,33 +78,6 @@ def rel(a, b) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
 
 
-class library_path:
-    """Within the block, ``comera::btt_blocks`` takes the batched GEMMs and the swap (the fused kernel off)."""
-
-    def __enter__(self):
-        self.saved = btt_swap._fused
-        btt_swap._fused = lambda *args: False
-
-    def __exit__(self, *exc):
-        btt_swap._fused = self.saved
-
-
-class tiles_pinned:
-    """Within the block, the fused ``kernel`` (``"through"``: the forward and dx; ``"grad"``: the cores'
-    gradients) launches with ``tiles``."""
-
-    def __init__(self, kernel, tiles):
-        self.kernel, self.tiles = kernel, tiles
-
-    def __enter__(self):
-        self.saved = saved = btt_fused.tiles_for
-        btt_fused.tiles_for = lambda r, b, a, kernel="through": (self.tiles if kernel == self.kernel
-                                                                else saved(r, b, a, kernel))
-
-    def __exit__(self, *exc):
-        btt_fused.tiles_for = self.saved
-
-
 def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
     from bench_lowrank import cuda_time_ms
 
@@ -151,26 +113,15 @@ def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
     def dense_fwd_bwd():
         F.linear(x_dense, w_dense).backward(dy_dense)
 
-    variants = [("fused", None), ("gemms", library_path())]
-    if args.tiles and rank == 1:
-        a, b = seconds[0].shape[2], first.shape[1]
-        fit = lambda v, size: min(v, max(16, 1 << (size - 1).bit_length()))  # noqa: E731
-        for kernel, configs in TILE_SWEEP.items():
-            for bn, bj, bc, ba, bb, warps, stages in configs:
-                tiles = btt_fused.Tiles(bn, bj, bc, fit(ba, a), fit(bb, b), warps, stages)
-                label = f"{kernel} n{bn} j{bj} c{bc} a{tiles.block_a} b{tiles.block_b} w{warps} s{stages}"
-                variants.append((label, tiles_pinned(kernel, tiles)))
-    for label, ctx in variants:
-        with ctx or _null():
-            err_y, err_dx, err_cores = check()
-            if args.smoke:
-                ms = fwd_ms = float("nan")
-            else:
-                ms = cuda_time_ms(fwd_bwd, args.iters)
-                fwd_ms = cuda_time_ms(forward, args.iters)
-        rows.append({"layer": name, "d_in": d_in, "d_outs": d_outs, "rank": rank, "n": n, "variant": label,
-                     "fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "err_y": err_y, "err_dx": err_dx, "err_cores": err_cores,
-                     "floor_ms": 1e3 * unavoidable / PEAK_BYTES})
+    err_y, err_dx, err_cores = check()
+    if args.smoke:
+        ms = fwd_ms = float("nan")
+    else:
+        ms = cuda_time_ms(fwd_bwd, args.iters)
+        fwd_ms = cuda_time_ms(forward, args.iters)
+    rows.append({"layer": name, "d_in": d_in, "d_outs": d_outs, "rank": rank, "n": n, "variant": "blocks",
+                 "fwd_bwd_ms": ms, "fwd_ms": fwd_ms, "err_y": err_y, "err_dx": err_dx, "err_cores": err_cores,
+                 "floor_ms": 1e3 * unavoidable / PEAK_BYTES})
     if not args.smoke:
         ms = cuda_time_ms(dense_fwd_bwd, args.iters)
         flops = 6 * n * d_in * sum(d_outs)
@@ -181,26 +132,16 @@ def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
     return rows
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="1024,2048,4096")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--ranks", default="1")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--tiles", action="store_true", help="also time the fused kernels at several tile sizes (rank 1)")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter: tiny shapes, no timing")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, no timing (checks the script)")
     args = ap.parse_args(argv)
     if args.smoke:
-        os.environ["COMERA_FORCE_TRITON"] = "1"
         device, dtype, widths, n = torch.device("cpu"), torch.float32, {64: 96}, 40
     else:
         device, dtype, n = torch.device("cuda"), torch.bfloat16, args.tokens
@@ -220,7 +161,7 @@ def main(argv=None) -> list[dict]:
 def _print_layer(rows, d) -> None:
     dense = next((r["fwd_bwd_ms"] for r in rows if r["variant"] == "dense"), float("nan"))
     for r in rows:
-        print(f"d{d} r{r['rank']} {r['layer']:8s} {r['variant']:34s} fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  fwd {r['fwd_ms']:7.3f} ms"
+        print(f"d{d} r{r['rank']} {r['layer']:8s} {r['variant']:6s} fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  fwd {r['fwd_ms']:7.3f} ms"
               f"  x floor {r['fwd_bwd_ms'] / r['floor_ms']:5.2f}  vs dense {r['fwd_bwd_ms'] / dense:5.2f}"
               f"  err y {r['err_y']:.1e} dx {r['err_dx']:.1e} cores {r['err_cores']:.1e}", flush=True)
 

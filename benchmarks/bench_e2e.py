@@ -31,8 +31,7 @@ off), ``tt-fp32``, ``ttm``, ``ttm-nocg``, ``btt`` (width sweep; a tag ``-rN`` se
 ``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``), ``-cce`` fuses the head's loss
 whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``), ``-opaque`` sets
 ``tt_merges="opaque"`` (e.g. ``tt-opaque``, ``ttm-opaque``), ``-blocks`` pins btt sites to the blocks path
-(``tt_strategy="blocks"``, e.g. ``btt-opaque-blocks``), ``-gemms`` runs btt blocks on batched library GEMMs
-and the swap kernel instead of the fused two-core kernel (``btt-gemms``: the path before that kernel).
+(``tt_strategy="blocks"``, e.g. ``btt-opaque-blocks``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
@@ -323,10 +322,6 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             options["tt_merges"] = "opaque"
         if "blocks" in tags:  # btt sites on the blocks path whatever the planner's estimate
             options["tt_strategy"] = "blocks"
-        if "gemms" in tags:  # btt blocks on batched GEMMs + the swap kernel (the fused kernel off)
-            from comera_compile.kernels import btt_swap
-
-            btt_swap._fused = lambda *a: False
         fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
@@ -515,10 +510,9 @@ def main(argv=None) -> list[dict]:
                     None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
         ranks = {t for t in tags if t[:1] == "r" and t[1:].isdigit() and int(t[1:]) > 0}
-        known = {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks", "gemms"}
-        if base is None or tags - ranks - known or (ranks and base.startswith("dense")):
+        if base is None or tags - ranks - {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks"} or (ranks and base.startswith("dense")):
             ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt, ttm or btt, "
-                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -gemms, -rN (a rank; not "
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -rN (a rank; not "
                      "for dense)")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]

@@ -103,3 +103,16 @@ def test_bench_swap_smoke_checks_the_permute_at_each_layers_blocks(capsys):
     shapes = {(r["d_in"], r["d_out"], r["swap"]): r["shape"] for r in rows}
     assert shapes[(64, 96, "fwd")][1:] == [16, shapes[(64, 96, "bwd")][0], 1]
     assert {r["variant"] for r in rows} == {"permute", "copy"}
+
+
+def test_bench_btt_smoke_checks_each_layer_against_float64():
+    """benchmarks/bench_btt.py --smoke: a block's four btt layer groups (Q/K/V and gate/up as one op
+    each) through comera::btt_blocks, outputs and every gradient against the float64 definition (no
+    timing on the CPU)."""
+    btt_spec = importlib.util.spec_from_file_location("bench_btt", ROOT / "benchmarks" / "bench_btt.py")
+    btt = importlib.util.module_from_spec(btt_spec)
+    btt_spec.loader.exec_module(btt)
+    rows = btt.main(["--smoke"])
+    assert [(r["layer"], r["d_outs"]) for r in rows] == [("qkv", [64] * 3), ("o", [64]), ("gate_up", [96] * 2),
+                                                         ("down", [64])]
+    assert all(max(r["err_y"], r["err_dx"], r["err_cores"]) < 1e-5 for r in rows)
