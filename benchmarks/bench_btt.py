@@ -32,18 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import comera_compile as cc  # noqa: E402
-from comera_compile.tensorize.parametrization import iter_tt_layers  # noqa: E402
-
-PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12
-WIDTHS = {1024: 2816, 2048: 5632, 4096: 11008}  # d -> Llama's FFN width (bench_e2e.llama_ffn)
-
-
-def spec_of(d_in: int, d_out: int, rank: int):
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False))
-    cc.tensorize_(model, cc.TTConfig(fmt="btt", rank=rank, min_size=0))
-    (layer,) = list(iter_tt_layers(model))
-    return layer.spec
+from bench_e2e import PEAK_BYTES, PEAK_FLOPS, WIDTHS, llama_ffn  # noqa: E402
+from bench_swap import btt_spec  # noqa: E402
 
 
 def layers(d: int, ffn: int) -> list[tuple[str, int, list[int]]]:
@@ -53,7 +43,7 @@ def layers(d: int, ffn: int) -> list[tuple[str, int, list[int]]]:
 
 def op_inputs(d_in: int, d_outs: list[int], rank: int, n: int, device, dtype, gen):
     """``x, first, seconds`` of one ``comera::btt_blocks`` call (the cores scaled to unit-variance outputs)."""
-    specs = [spec_of(d_in, o, rank) for o in d_outs]
+    specs = [btt_spec(d_in, o, rank) for o in d_outs]
     (b1, b2), a = specs[0].row_modes, specs[0].col_modes[1]
     cs = [s.col_modes[0] for s in specs]
     x = torch.randn(n, b1 * b2, device=device, generator=gen).to(dtype)
@@ -133,7 +123,7 @@ def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--widths", default="1024,2048,4096")
+    ap.add_argument("--widths", default=",".join(str(d) for d in WIDTHS))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--ranks", default="1")
     ap.add_argument("--iters", type=int, default=30)
@@ -144,7 +134,7 @@ def main(argv=None) -> list[dict]:
         device, dtype, widths, n = torch.device("cpu"), torch.float32, {64: 96}, 40
     else:
         device, dtype, n = torch.device("cuda"), torch.bfloat16, args.tokens
-        widths = {int(d): WIDTHS[int(d)] for d in args.widths.split(",")}
+        widths = {int(d): llama_ffn(int(d)) for d in args.widths.split(",")}
     rows = []
     for d, ffn in widths.items():
         for rank in (int(r) for r in args.ranks.split(",")):

@@ -37,12 +37,18 @@ LAYERS = [(2048, 2048, 1), (2048, 5632, 1), (4096, 4096, 1), (4096, 11008, 1), (
 SMOKE_LAYERS = [(64, 96, 1), (64, 64, 2)]
 
 
-def blocks(d_in: int, d_out: int, rank: int) -> tuple[int, int, int]:
-    """``(b1, c, r)`` of the btt layer ``tensorize_`` makes of a ``d_in -> d_out`` Linear."""
+def btt_spec(d_in: int, d_out: int, rank: int):
+    """The spec of the btt layer ``tensorize_`` makes of a ``d_in -> d_out`` Linear."""
     model = torch.nn.Sequential(torch.nn.Linear(d_in, d_out))
     cc.tensorize_(model, cc.TTConfig(fmt="btt", rank=rank, min_size=0))
     (layer,) = list(iter_tt_layers(model))
-    return layer.spec.row_modes[0], layer.spec.col_modes[0], layer.spec.ranks[1]
+    return layer.spec
+
+
+def blocks(d_in: int, d_out: int, rank: int) -> tuple[int, int, int]:
+    """``(b1, c, r)`` of the btt layer ``tensorize_`` makes of a ``d_in -> d_out`` Linear."""
+    spec = btt_spec(d_in, d_out, rank)
+    return spec.row_modes[0], spec.col_modes[0], spec.ranks[1]
 
 
 def main(argv=None) -> list[dict]:
