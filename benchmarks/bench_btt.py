@@ -65,7 +65,7 @@ def reference(x, first, seconds, rank):
 
 
 def rel(a, b) -> float:
-    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+    return float(((a.double() - b).norm() / b.norm().clamp_min(1e-30)).detach())
 
 
 def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
