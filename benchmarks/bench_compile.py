@@ -229,12 +229,15 @@ def run_one(args) -> dict:
               "first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
               "phases_s": _phases(), "counters": _counters(), "bypass_reasons": sorted(set(bypass.reasons)),
               "backend": records.timings, "torch": torch.__version__}
-    if args.variant.endswith("comera"):  # what our cache key hashes: a warm run after an edit misses
+    if args.variant.split("-")[1] == "comera":  # what our cache key hashes: a warm run after an edit misses
         from comera_compile.cache import source_fingerprint
 
         result["comera_sources"] = source_fingerprint()
     if profile is not None:
         result["profile"] = _entry_point_times(profile)
+        result["profile_top"] = _top_functions(profile)
+        if os.environ.get("BENCH_COMPILE_PSTATS"):  # a folder: the raw profile, for pstats' callers/callees
+            profile.dump_stats(str(Path(os.environ["BENCH_COMPILE_PSTATS"]) / f"{args.model}-{args.variant}.pstats"))
     return result
 
 
@@ -248,6 +251,19 @@ def _entry_point_times(profile) -> dict[str, float]:
         total = sum(entry[3] for (path, _, name), entry in stats.items()
                     if name == function and path.replace(os.sep, "/").endswith(suffix))
         out[label] = total
+    return out
+
+
+def _top_functions(profile, count: int = 80) -> list[str]:
+    """The ``count`` functions of highest cumulative time, as "seconds  calls  file:line(function)"."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][3], reverse=True)[:count]
+    out = []
+    for (path, line, name), (_, calls, _, cumulative, _) in rows:
+        short = "/".join(Path(path).parts[-3:])
+        out.append(f"{cumulative:8.2f} {calls:8d}  {short}:{line}({name})")
     return out
 
 
@@ -279,7 +295,7 @@ def run_all(args) -> list[dict]:
                 if args.warm:
                     warm.append(measure(model, variant, args, cache))
             entry = {"model": model, "variant": variant, "cold": cold, "warm": warm}
-            if args.profile and variant.endswith("comera"):
+            if args.profile and variant.split("-")[1] == "comera":
                 entry["profiled"] = measure(model, variant, args, str(root / f"{model}-{variant}-prof"), cprofile=True)
             results.append(entry)
             print(_row(entry, results), flush=True)
@@ -335,6 +351,9 @@ def report(results: list[dict]) -> None:
             print(f"--- {entry['model']} {entry['variant']}: where the backend's time goes (cProfile, cumulative s)")
             for label, seconds in prof.items():
                 print(f"  {label:<50} {seconds:8.3f}")
+            print(f"--- {entry['model']} {entry['variant']}: the functions of highest cumulative time (s, calls)")
+            for line in entry["profiled"].get("profile_top", []):
+                print("  " + line)
 
 
 def main(argv=None) -> list[dict]:

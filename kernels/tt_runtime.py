@@ -35,6 +35,7 @@ rows of the padding (``rows <= i < prod(row_modes)``) are out of range too.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import TYPE_CHECKING, Literal, Sequence, Union, get_args
@@ -94,6 +95,10 @@ def layer_spec(op: str, cores: Sequence[torch.Tensor], gates: Sequence[torch.Ten
 
 
 def _no_autocast(t: torch.Tensor):
+    if t.device.type == "meta":  # shapes only (:func:`_stacked_layout`): autocast has no meta device
+        import contextlib
+
+        return contextlib.nullcontext()
     return torch.autocast(device_type=t.device.type, enabled=False)
 
 
@@ -218,6 +223,43 @@ def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan:
             full = _to_rows_cols(full.reshape(K, -1, 1), modes, rank_first=False)
         m = _crop(_crop(full.reshape(K, P, Q), 1, rows), 2, cols)
         return (m.transpose(1, 2) if output == "dense_t" else m,)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stacked_layout(meta: str, cores: tuple[tuple[int, ...], torch.dtype],
+                    gates: tuple[tuple[int, ...], torch.dtype]) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]:
+    """(shape, stride, dtype) of each tensor :func:`_group_stacked` returns for stacked storages of
+    these (shape, dtype), computed once on the meta device with every dispatch mode off. Fake
+    propagation (the pass's, AOTAutograd's, Inductor's) then costs one allocation per output instead
+    of running the merges' ~50 ops under a fake mode each time."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    spec, cut, output, dtype = _read_meta(meta)
+    with _disable_current_modes():
+        c = torch.empty(cores[0], dtype=cores[1], device="meta")
+        g = torch.empty(gates[0], dtype=gates[1], device="meta")
+        outs = _group_stacked(c, g, spec, cut, output, dtype)
+    return tuple((tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs)
+
+
+def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s shape as ints, or None where a size is symbolic."""
+    return tuple(t.shape) if all(isinstance(v, int) for v in t.shape) else None
+
+
+def group_outputs_like(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
+                       plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Uninitialised tensors with the shapes, strides, dtypes and device of :func:`group_outputs`'
+    (on fake inputs: fake tensors of their mode), views of one stacked tensor per output kind as
+    there. For fake propagation; symbolic sizes fall back to :func:`group_outputs` itself."""
+    cores, gates = _static_shape(core_flats[0]), _static_shape(gate_flats[0])
+    if cores is None or gates is None or spec.fmt == "btt" and output not in ("dense", "dense_t"):
+        return group_outputs(core_flats, gate_flats, spec, plan, output, dtype)
+    K = len(core_flats)
+    layout = _stacked_layout(_merge_meta(spec, plan, output, dtype), ((K, *cores), core_flats[0].dtype),
+                             ((K, *gates), gate_flats[0].dtype))
+    device = core_flats[0].device
+    return _per_layer(*(torch.empty_strided(shape, stride, dtype=dt, device=device) for shape, stride, dt in layout))
 
 
 def _btt_group_weights(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, dtype: torch.dtype,
@@ -451,8 +493,12 @@ def _tt_group_merge(cores: torch.Tensor, gates: torch.Tensor, meta: str) -> list
 
 @_tt_group_merge.register_fake
 def _(cores, gates, meta):
-    spec, cut, output, dtype = _read_meta(meta)
-    return [t.contiguous().clone() for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
+    shapes = _static_shape(cores), _static_shape(gates)
+    if None in shapes:  # symbolic sizes: run the merges on the fake tensors
+        spec, cut, output, dtype = _read_meta(meta)
+        return [t.contiguous().clone() for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
+    layout = _stacked_layout(meta, (shapes[0], cores.dtype), (shapes[1], gates.dtype))
+    return [cores.new_empty(shape, dtype=dt) for shape, _, dt in layout]
 
 
 @torch.library.custom_op("comera::tt_group_merge_backward", mutates_args=())

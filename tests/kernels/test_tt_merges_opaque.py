@@ -97,6 +97,47 @@ def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output, layers):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("spec, output", [
+    (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, True), "dense_t"),
+    (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, True), "dense"),
+    (TTSpec("ttm", (3, 4, 2), (2, 3, 2), (1, 3, 2, 1), 23, 11, True), "dense"),
+    (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True), "factors"),
+    (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True), "factors_t"),
+    (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 11, 6, True), "dense"),
+    (TTSpec("ttm", (3, 4), (2, 3), (1, 3, 1), 11, 6, False), "tables"),
+    (TTSpec("tt", (3, 4), (2, 3), (1, 2, 3, 2, 1), 12, 6, False), "tables"),
+    (TTSpec("btt", (2, 4), (3, 2), (1, 3, 1), 8, 6, True), "dense"),
+    (TTSpec("btt", (2, 4), (3, 2), (1, 3, 1), 8, 6, True), "dense_t"),
+])
+@pytest.mark.parametrize("layers", [3, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merges_fake_layout_is_the_real_one(spec, output, layers, dtype):
+    """What fake propagation uses instead of running the merges (group_outputs_like, and the opaque op's
+    fake, both from one cached meta-device run): the same shapes, strides, dtypes and device as
+    group_outputs' and the op's real outputs, per layer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    n_core, n_gate = sum(torch.Size(s).numel() for s in spec.core_shapes), sum(spec.gate_sizes)
+    flats = [torch.randn(n_core) for _ in range(layers)]
+    gates = [torch.rand(n_gate) + 0.5 for _ in range(layers)]
+    if spec.fmt == "btt":  # no chain: the plan is not read
+        cut = planner.Cut(1, 0, 1)
+    else:
+        plan = planner.plan_embedding(spec, 16) if output == "tables" else planner.plan_linear(spec, 16)
+        cut = getattr(plan, "cut", plan)
+    want = tt_runtime.group_outputs(flats, gates, spec, cut, output, dtype)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in flats], [mode.from_tensor(t) for t in gates]
+        like = tt_runtime.group_outputs_like(*fakes, spec, cut, output, dtype)
+        opaque = tt_runtime.group_outputs_opaque(*fakes, spec, cut, output, dtype)
+    real_opaque = tt_runtime.group_outputs_opaque(flats, gates, spec, cut, output, dtype)
+    assert len(like) == len(want) == len(opaque) == len(real_opaque)
+    for a, b in zip(like, want):
+        assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    for a, b in zip(opaque, real_opaque):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+
+
 def test_a_bad_tt_merges_value_names_the_choices():
     with pytest.raises(OptionsError, match=r"option 'tt_merges' got 'fast'; valid values: \['inductor', 'opaque'\]"):
         cc.CompileOptions(tt_merges="fast")
