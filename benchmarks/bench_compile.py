@@ -5,8 +5,9 @@
     python benchmarks/bench_compile.py --model encoder --variants tt-comera --profile
 
 Each measurement is its own process with its own Inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``,
-which also holds the FX graph, AOTAutograd and Triton caches): **cold** is a fresh folder, **warm** a
-second process on the folder the cold one filled. A process builds the model, compiles it and times
+which also holds the FX graph, AOTAutograd and Triton caches, and ``TRITON_CACHE_DIR`` inside it, for the
+kernels compiled at their first call): **cold** is a fresh folder, **warm** a second process on the
+folder the cold one filled. A process builds the model, compiles it and times
 its first training step (forward + backward + ``AdamW.step()``, bf16 autocast as in bench_e2e.py);
 compile time is that step minus a steady step (the fastest of three that follow). Variants:
 
@@ -275,7 +276,8 @@ def measure(model: str, variant: str, args, cache_dir: str, cprofile: bool = Fal
     out = Path(cache_dir).parent / f"{Path(cache_dir).name}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, __file__, "--one", "--model", model, "--variants", variant, "--size", args.size,
            "--device", args.device, "--out-one", str(out)] + (["--cprofile-one"] if cprofile else [])
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    # Triton's own cache too (our kernels compile through it, at their first call): cold means cold
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=str(Path(cache_dir) / "triton-jit"))
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
