@@ -56,6 +56,7 @@ from comera_compile.fx_utils import (
     module_name,
     size_hint,
 )
+from comera_compile.kernels import precompile
 from comera_compile.kernels.dispatch import use_triton
 from comera_compile.kernels.linear_cross_entropy import (  # defines the op
     FusedLossDecision,
@@ -684,7 +685,11 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
     expected = fake(head.loss)
     if expected.dtype != torch.float32:
         loss = emit.method("to", loss, expected.dtype)
-    return loss
+    job = None
+    if ctx.options.precompile:
+        job = precompile.lce_job(fake(h), fake(w), fake(head.target), fake(b) if b is not None else None,
+                                 call.op_args(), needs)
+    return loss, job
 
 
 def _detail(head: _Head, ctx: PassContext, decision: FusedLossDecision) -> str:
@@ -733,12 +738,15 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
         decision = _decide(head, ctx, options)
         if not decision.pays:
             raise Declined(decision.reason)
-        checked_replace(node, _build(emit, head, ctx, options, decision), erase=head.chain)
+        loss, job = _build(emit, head, ctx, options, decision)
+        checked_replace(node, loss, erase=head.chain)
     except (Declined, RewriteRejected) as reason:
         emit.discard()
         ctx.skip(KIND, str(reason), where)
         return False
     ctx.rewrite(KIND, where, _detail(head, ctx, decision))
+    if job is not None:  # the op's kernels compile in another process while Inductor compiles
+        precompile.schedule(job)
     return True
 
 

@@ -1,0 +1,164 @@
+"""Compile the package's Triton kernels for a compiled graph's shapes in another process, while Inductor
+compiles the graph.
+
+Triton compiles a kernel at its first call for the argument types and shapes it sees (about 3 s for the
+fused loss's forward and backward kernels on an H200), which a compiled model would pay at its first
+step after Inductor is done. When the ``cce`` pass fuses a head on the GPU, :func:`schedule` starts a
+Python process that calls the fused loss forward and backward once on random tensors of the graph's
+shapes, strides and dtypes, on the same device and with the same Triton cache folder. Its compiled
+kernels land in that cache; the model's first call then finds them there instead of compiling them.
+Nothing else is shared: the process's values are thrown away, a failure in it is only logged when the
+package's logger is at DEBUG, and a kernel it did not reach in time is compiled at the first call as
+before. ``options={"precompile": False}`` turns it off.
+
+The process holds its own CUDA context and the job's tensors (at most ``MAX_JOB_BYTES``; a head whose
+tensors and gradients take more is left to its first call) for a few seconds.
+
+``python -m comera_compile.kernels.precompile`` is the process: it reads one job (JSON) from stdin.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+
+MAX_JOB_BYTES = 1 << 30
+_scheduled: set[str] = set()
+_running: list[subprocess.Popen] = []
+
+
+def _tensor_spec(t: Optional[torch.Tensor], requires_grad: bool) -> Optional[dict]:
+    if t is None:
+        return None
+    sizes = (*t.shape, *t.stride())
+    if not all(isinstance(v, int) for v in sizes):  # symbolic: no concrete job
+        raise ValueError("symbolic size")
+    return {"shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype).rpartition(".")[2],
+            "requires_grad": bool(requires_grad)}
+
+
+def _bytes(spec: Optional[dict]) -> int:
+    if spec is None:
+        return 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
+    element = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+    return extent * element * (2 if spec["requires_grad"] else 1)
+
+
+def lce_job(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+            op_args: Sequence[Any], needs: Sequence[bool]) -> Optional[dict]:
+    """The job for ``comera::linear_cross_entropy`` called with tensors like these (fakes will do) and
+    ``op_args`` (``LCEOptions.op_args()``), with gradients for ``needs`` (x, weight, bias); None where
+    there is nothing to precompile (not CUDA, symbolic sizes, or more than ``MAX_JOB_BYTES``)."""
+    from comera_compile.kernels.dispatch import HAS_TRITON, TRITON_DTYPES, interpreting
+    from comera_compile.kernels.linear_cross_entropy import LCEOptions
+
+    if x.device.type != "cuda" or not HAS_TRITON or interpreting() or x.dtype not in TRITON_DTYPES:
+        return None
+    if LCEOptions.from_op_args(tuple(op_args)).impl == "torch":  # no kernel to compile
+        return None
+    try:
+        tensors = [_tensor_spec(x, needs[0]), _tensor_spec(weight, needs[1]), _tensor_spec(target, False),
+                   _tensor_spec(bias, needs[2])]
+    except ValueError:
+        return None
+    # the inputs, their gradients, and the loss's working memory (its budget, at most 1/16 of fp32 logits)
+    working = x.shape[0] * weight.shape[0] * 4 // 16
+    if sum(_bytes(s) for s in tensors) + working > MAX_JOB_BYTES:
+        return None
+    return {"op": "linear_cross_entropy", "device": x.device.index if x.device.index is not None else
+            torch.cuda.current_device(), "tensors": tensors, "args": list(op_args),
+            # the kernels' dot precision for fp32 follows this setting (a constexpr of their cache key)
+            "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+
+
+def schedule(job: Optional[dict]) -> bool:
+    """Start the process for ``job`` unless this process started one for the same job already;
+    returns whether it started one."""
+    if job is None:
+        return False
+    key = json.dumps(job, sort_keys=True)
+    if key in _scheduled:
+        return False
+    _scheduled.add(key)
+    _reap()
+    if os.getenv("TRITON_CACHE_DIR") is None:
+        # the folder Inductor sets when it loads its first kernel (it keeps one already set): set now,
+        # so that this process and the job's use the same one
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(job["device"])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "comera_compile.kernels.precompile"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        proc.stdin.write(key.encode())
+        proc.stdin.close()
+    except OSError as err:  # no process: the kernels compile at their first call, as without this
+        from comera_compile._logging import logger
+
+        logger.debug("comera: kernel precompile not started: %s", err)
+        return False
+    _running.append(proc)
+    return True
+
+
+def _reap() -> None:
+    _running[:] = [p for p in _running if p.poll() is None]
+
+
+@atexit.register
+def _stop() -> None:
+    """A job still compiling when this process ends is stopped (a kernel cache entry is written whole
+    or not at all)."""
+    for proc in _running:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _make(spec: Optional[dict], device: torch.device, high: int, gen: torch.Generator) -> Optional[torch.Tensor]:
+    if spec is None:
+        return None
+    dtype = getattr(torch, spec["dtype"])
+    extent = 1 + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
+    if dtype.is_floating_point:
+        flat = torch.randn(extent, device=device, dtype=dtype, generator=gen)
+    else:
+        flat = torch.randint(0, high, (extent,), device=device, dtype=dtype, generator=gen)
+    t = flat.as_strided(spec["shape"], spec["stride"])
+    return t.requires_grad_() if spec["requires_grad"] else t
+
+
+def run_job(job: dict) -> None:
+    """Call the job's op forward and backward once (what compiles its kernels)."""
+    import comera_compile  # noqa: F401  (defines the ops)
+
+    if job["op"] != "linear_cross_entropy":
+        raise ValueError(f"unknown precompile job {job['op']!r}")
+    device = torch.device("cuda", job["device"]) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = bool(job.get("allow_tf32", False))
+    gen = torch.Generator(device=device).manual_seed(0)
+    vocab = job["tensors"][1]["shape"][0]
+    x, weight, target, bias = (_make(s, device, vocab, gen) for s in job["tensors"])
+    with torch.enable_grad():
+        out = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *job["args"])
+        leaves = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+        if leaves:
+            torch.autograd.grad(out[0], leaves)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    run_job(json.loads(sys.stdin.read()))
