@@ -16,6 +16,8 @@ compile time is that step minus a steady step (the fastest of three that follow)
 * ``tt-comera``: the model tensorized as bench_e2e.py's ``tt`` variant, ``backend="comera"``;
 * ``tt-comera-opaque`` (not in the default list): the same with ``options={"tt_merges": "opaque"}`` (the
   layer groups' merges as one custom op each, which Inductor does not compile);
+* ``tt-comera-opaque-noprecompile`` (not in the default list): the same with ``precompile=False`` (the
+  fused loss's kernels compile at their first call, in the first step, not in a side process);
 * ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
@@ -49,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-inductor")
+VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-comera-opaque-noprecompile",
+            "tt-inductor")
 DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
 # Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
 PHASES = {
@@ -202,7 +205,11 @@ def run_one(args) -> dict:
     else:
         import comera_compile  # noqa: F401  (registers the backend in a source checkout)
 
-        options = {"tt_merges": "opaque"} if args.variant.endswith("opaque") else None
+        options = {}
+        if "-opaque" in args.variant:
+            options["tt_merges"] = "opaque"
+        if args.variant.endswith("-noprecompile"):
+            options["precompile"] = False
         fn = torch.compile(model, backend="comera", options=options)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(2)]
