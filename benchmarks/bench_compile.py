@@ -159,6 +159,14 @@ def _listen():
     return records, bypass
 
 
+def _all_phases() -> dict[str, float]:
+    """Every entry of torch._dynamo.utils.compile_times (seconds, summed over graphs)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv")
+    return {name: sum(float(v) for v in str(value).split(",")) for name, value in zip(names, values)}
+
+
 def _phases() -> dict[str, float]:
     """Dynamo's compile phases (seconds, summed over graphs) for the names in PHASES."""
     from torch._dynamo.utils import compile_times
@@ -235,7 +243,7 @@ def run_one(args) -> dict:
     steady = min(step(i) for i in range(1, 4))
     result = {"model": args.model, "variant": args.variant, "size": args.size, "device": args.device,
               "first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
-              "phases_s": _phases(), "counters": _counters(), "bypass_reasons": sorted(set(bypass.reasons)),
+              "phases_s": _phases(), "all_phases_s": _all_phases(), "counters": _counters(), "bypass_reasons": sorted(set(bypass.reasons)),
               "backend": records.timings, "torch": torch.__version__}
     if args.variant.split("-")[1] == "comera":  # what our cache key hashes: a warm run after an edit misses
         from comera_compile.cache import source_fingerprint

@@ -12,7 +12,8 @@ package's logger is at DEBUG, and a kernel it did not reach in time is compiled 
 before. ``options={"precompile": False}`` turns it off.
 
 The process holds its own CUDA context and the job's tensors (at most ``MAX_JOB_BYTES``; a head whose
-tensors and gradients take more is left to its first call) for a few seconds.
+tensors and gradients take more is left to its first call) for a few seconds; it is started only where
+the device has four times that free and 2 GiB more.
 
 ``python -m comera_compile.kernels.precompile`` is the process: it reads one job (JSON) from stdin.
 """
@@ -70,12 +71,25 @@ def lce_job(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: O
         return None
     # the inputs, their gradients, and the loss's working memory (its budget, at most 1/16 of fp32 logits)
     working = x.shape[0] * weight.shape[0] * 4 // 16
-    if sum(_bytes(s) for s in tensors) + working > MAX_JOB_BYTES:
+    need = sum(_bytes(s) for s in tensors) + working
+    if need > MAX_JOB_BYTES:
+        return None
+    if not _room_for(need, x.device):
         return None
     return {"op": "linear_cross_entropy", "device": x.device.index if x.device.index is not None else
             torch.cuda.current_device(), "tensors": tensors, "args": list(op_args),
             # the kernels' dot precision for fp32 follows this setting (a constexpr of their cache key)
             "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+
+
+def _room_for(need: int, device: torch.device) -> bool:
+    """Whether the device has room for a job of ``need`` bytes (plus its process's CUDA context) with
+    room to spare for this process's first step: free memory at least 4x the job and 2 GiB."""
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except (RuntimeError, AssertionError, AttributeError):  # no CUDA here (fake tensors of a CPU run)
+        return False
+    return free >= 4 * need + (2 << 30)
 
 
 def schedule(job: Optional[dict]) -> bool:

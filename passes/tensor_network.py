@@ -270,6 +270,13 @@ def _with_fake(node: fx.Node) -> fx.Node:
     return node
 
 
+def _opaque_merges(choice: str, g: _Group) -> bool:
+    """Whether group ``g``'s merges are one opaque op (option ``tt_merges``; "auto": for "tt" groups,
+    whose merges end in rank-sized factors or tables; a group forming dense weights is left to
+    Inductor, which fuses the weight's elementwise work)."""
+    return choice == "opaque" or choice == "auto" and g.sites[0].spec.fmt == "tt"
+
+
 def _emit_group(graph: fx.Graph, g: _Group, opaque: bool = False) -> None:
     site = g.sites[0]
     core_flats = [w.args[0] for w in g.members]
@@ -515,7 +522,7 @@ def _detail(site: _Site, group: _Group) -> str:
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
     if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:
-        share += " (the merges one opaque op: tt_merges='opaque')"
+        share += " (the merges one opaque op: tt_merges='opaque', or 'auto' for a 'tt' group)"
     if site.spec.fmt == "btt":  # described as the btt sites of ALONE are, plus the batching
         head, sep, rest = _describe_alone(site).partition("\n")
         return _with_pin_note(site, f"{head}{share}{sep}{rest}")
@@ -570,9 +577,8 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
     groups = _groups(sites, graph)
     if groups:  # a group stacks up to MAX_GROUP layers' cores: one pointwise kernel, not one copy each
         ctx.request_inductor_config("max_pointwise_cat_inputs", MAX_GROUP)
-    opaque = ctx.options.tt_merges == "opaque"
     for g in groups:
-        _emit_group(graph, g, opaque)
+        _emit_group(graph, g, _opaque_merges(ctx.options.tt_merges, g))
     order = {n: i for i, n in enumerate(graph.nodes)}  # inserting nodes keeps the others' order
     home = {id(site): g for g in groups for site in g.sites}
     done: set[int] = set()

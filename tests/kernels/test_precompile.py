@@ -23,9 +23,10 @@ from comera_compile.options import OptionsError
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """As on a GPU machine with compiled Triton (no interpreter)."""
+    """As on a GPU machine with compiled Triton (no interpreter) and 80 GiB free."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr("comera_compile.kernels.dispatch.HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 141 << 30))
 
 
 def _fakes(n=64, d=32, v=1000, w_transposed=False, dtype=torch.bfloat16):
@@ -62,6 +63,10 @@ def test_no_job_where_no_kernel_would_compile(gpu_like, monkeypatch):
     assert precompile.lce_job(*big, None, args, (True, True, False)) is None  # over MAX_JOB_BYTES
     x64 = _fakes(dtype=torch.float64)
     assert precompile.lce_job(*x64, None, args, (True, True, False)) is None  # no Triton dtype
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 << 29, 141 << 30))
+    assert precompile.lce_job(x, w, t, None, args, (True, True, False)) is not None  # a small job fits in 2.5 GiB
+    mid = _fakes(n=8192, d=1024, v=32000)  # ~230 MB with gradients and working memory: 4x + 2 GiB > 2.5 GiB
+    assert precompile.lce_job(*mid, None, args, (True, True, False)) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert precompile.lce_job(x, w, t, None, args, (True, True, False)) is None  # the interpreter compiles nothing
 

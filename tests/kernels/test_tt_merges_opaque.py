@@ -138,8 +138,36 @@ def test_the_merges_fake_layout_is_the_real_one(spec, output, layers, dtype):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
 
 
+@pytest.mark.parametrize("merges", [None, "auto", "inductor"])
+def test_auto_merges_make_tt_groups_opaque_and_leave_ttm_to_inductor(merges):
+    """The default ("auto"): the "tt" layers' group is one opaque op, the TT-matrix embedding's merges
+    stay plain ops; "inductor" keeps both plain. The compiled step matches eager either way."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Net()
+    cc.tensorize_(eager, {"emb": cc.TTConfig(fmt="ttm", rank=4, min_size=0),
+                          "_default": cc.TTConfig(fmt="tt", rank=4, min_size=0)},
+                  filter_fn=lambda mod, fqn: fqn != "out")
+    compiled_model = copy.deepcopy(eager)
+    options = {"inner": "aot_eager"} if merges is None else {"inner": "aot_eager", "tt_merges": merges}
+    step = torch.compile(compiled_model, backend="comera", fullgraph=True, options=options)
+    idx, target = torch.randint(0, 120, (3, 7)), torch.randint(0, 5, (3, 7))
+    for model, fn in ((eager, eager), (compiled_model, step)):
+        model.zero_grad()
+        F.cross_entropy(fn(idx).flatten(0, 1), target.flatten()).backward()
+    for (name, a), b in zip(compiled_model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    rows = [r for g in explain(step, idx).graph_reports for r in g.rewrites]
+    tt_rows = [r for r in rows if (r.module or "").startswith(("q", "k", "fc"))]
+    emb_rows = [r for r in rows if (r.module or "").startswith("emb")]
+    assert tt_rows and emb_rows
+    opaque = merges != "inductor"
+    assert all(("one opaque op" in r.detail) == opaque for r in tt_rows)
+    assert not any("one opaque op" in r.detail for r in emb_rows)
+
+
 def test_a_bad_tt_merges_value_names_the_choices():
-    with pytest.raises(OptionsError, match=r"option 'tt_merges' got 'fast'; valid values: \['inductor', 'opaque'\]"):
+    with pytest.raises(OptionsError, match=r"option 'tt_merges' got 'fast'; valid values: \['auto', 'inductor', 'opaque'\]"):
         cc.CompileOptions(tt_merges="fast")
 
 
