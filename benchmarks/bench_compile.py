@@ -14,10 +14,13 @@ compile time is that step minus a steady step (the fastest of three that follow)
 * ``dense-inductor``: ``torch.compile(model)``, the reference;
 * ``dense-comera``: ``backend="comera"`` on the dense model (the cce pass looks at its heads);
 * ``tt-comera``: the model tensorized as bench_e2e.py's ``tt`` variant, ``backend="comera"``;
-* ``tt-comera-opaque`` (not in the default list): the same with ``options={"tt_merges": "opaque"}`` (the
-  layer groups' merges as one custom op each, which Inductor does not compile);
+* ``tt-comera-opaque`` (not in the default list): the same with ``options={"tt_merges": "opaque"}`` (every
+  layer group's merges as one custom op, which Inductor does not compile; the default ``"auto"`` does
+  that for the ``"tt"`` groups, which are all of these models' groups);
 * ``tt-comera-opaque-noprecompile`` (not in the default list): the same with ``precompile=False`` (the
   fused loss's kernels compile at their first call, in the first step, not in a side process);
+* ``tt-comera-nocg`` (not in the default list): ``tt-comera`` with ``cudagraphs=False`` (the backend turns
+  CUDA graphs on for graphs with tensor-train layers on the GPU; how much of the compile that is);
 * ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
@@ -52,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-comera-opaque-noprecompile",
-            "tt-inductor")
+            "tt-comera-nocg", "tt-inductor")
 DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
 # Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
 PHASES = {
@@ -218,6 +221,8 @@ def run_one(args) -> dict:
             options["tt_merges"] = "opaque"
         if args.variant.endswith("-noprecompile"):
             options["precompile"] = False
+        if args.variant.endswith("-nocg"):
+            options["cudagraphs"] = False
         fn = torch.compile(model, backend="comera", options=options)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(2)]
