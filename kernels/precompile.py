@@ -5,7 +5,8 @@ Triton compiles a kernel at its first call for the argument types and shapes it 
 fused loss's forward and backward kernels on an H200), which a compiled model would pay at its first
 step after Inductor is done. When the ``cce`` pass fuses a head on the GPU, :func:`schedule` starts a
 Python process that calls the fused loss forward and backward once on random tensors of the graph's
-shapes, strides and dtypes, on the same device and with the same Triton cache folder. Its compiled
+shapes, strides and dtypes, on the same device and with the same Triton cache folder (where
+``TRITON_CACHE_DIR`` is unset, it is set to the folder Inductor would set at its first kernel). Its compiled
 kernels land in that cache; the model's first call then finds them there instead of compiling them.
 Nothing else is shared: the process's values are thrown away, a failure in it is only logged when the
 package's logger is at DEBUG, and a kernel it did not reach in time is compiled at the first call as

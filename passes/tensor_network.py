@@ -54,7 +54,6 @@ from comera_compile.fx_utils import (
     erase_unused,
     fake,
     fake_call,
-    fake_node,
     inherit_source_meta,
     module_name,
     size_hint,
@@ -263,11 +262,6 @@ def _groups(sites: list[_Site], graph: fx.Graph) -> list[_Group]:
             home.members.append(site.w)
         home.sites.append(site)
     return groups
-
-
-def _with_fake(node: fx.Node) -> fx.Node:
-    node.meta["example_value"] = fake_node(node)
-    return node
 
 
 def _opaque_merges(choice: str, g: _Group) -> bool:
