@@ -10,7 +10,8 @@ shapes, strides and dtypes, on the same device and with the same Triton cache fo
 kernels land in that cache; the model's first call then finds them there instead of compiling them.
 Nothing else is shared: the process's values are thrown away, a failure in it is only logged when the
 package's logger is at DEBUG, and a kernel it did not reach in time is compiled at the first call as
-before. ``options={"precompile": False}`` turns it off.
+before. A job ends itself after ``JOB_TIMEOUT_S``; under an interpreter embedded in a host that is no
+``python`` binary, none is started. ``options={"precompile": False}`` turns it off.
 
 The process holds its own CUDA context and the job's tensors (at most ``MAX_JOB_BYTES``; a head whose
 tensors and gradients take more is left to its first call) for a few seconds; it is started only where
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Optional, Sequence
@@ -98,6 +100,8 @@ def schedule(job: Optional[dict]) -> bool:
     returns whether it started one."""
     if job is None:
         return False
+    if not os.path.basename(sys.executable or "").startswith("python"):
+        return False  # an embedding host (uwsgi, an app binary): no interpreter to start
     key = json.dumps(job, sort_keys=True)
     if key in _scheduled:
         return False
@@ -127,6 +131,13 @@ def schedule(job: Optional[dict]) -> bool:
 
 
 def _reap() -> None:
+    """Forget finished jobs (one that failed is logged at DEBUG: its kernels compile at their first call)."""
+    for proc in _running:
+        code = proc.poll()
+        if code not in (None, 0):
+            from comera_compile._logging import logger
+
+            logger.debug("comera: a kernel precompile job exited with status %s", code)
     _running[:] = [p for p in _running if p.poll() is None]
 
 
@@ -175,5 +186,10 @@ def run_job(job: dict) -> None:
         torch.cuda.synchronize(device)
 
 
+JOB_TIMEOUT_S = 300
+
+
 if __name__ == "__main__":
+    if hasattr(signal, "alarm"):  # a job that hangs ends itself (its GPU memory with it)
+        signal.alarm(JOB_TIMEOUT_S)
     run_job(json.loads(sys.stdin.read()))

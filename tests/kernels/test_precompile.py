@@ -93,6 +93,16 @@ def test_the_process_runs_a_job_forward_and_backward(monkeypatch, tmp_path):
     assert not precompile.schedule(None)
 
 
+def test_no_process_where_the_interpreter_is_embedded(monkeypatch):
+    """Under a host binary that is no Python (uwsgi, an app), nothing is started."""
+    monkeypatch.setattr(sys, "executable", "/usr/bin/uwsgi")
+    monkeypatch.setattr(precompile, "_scheduled", set())
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert not precompile.schedule(_cpu_job())
+    assert started == []
+
+
 def test_run_job_calls_the_backward():
     """run_job reaches the op's backward (whose kernels are half of what it compiles): the backward
     records its path, and only when the job's inputs take gradients."""
