@@ -172,14 +172,7 @@ def _all_phases() -> dict[str, float]:
 
 def _phases() -> dict[str, float]:
     """Dynamo's compile phases (seconds, summed over graphs) for the names in PHASES."""
-    from torch._dynamo.utils import compile_times
-
-    names, values = compile_times(repr="csv")
-    out = {}
-    for name, value in zip(names, values):
-        if name in PHASES:
-            out[PHASES[name]] = sum(float(v) for v in str(value).split(","))
-    return out
+    return {PHASES[name]: seconds for name, seconds in _all_phases().items() if name in PHASES}
 
 
 def _counters() -> dict[str, int]:

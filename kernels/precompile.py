@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 MAX_JOB_BYTES = 1 << 30
+JOB_TIMEOUT_S = 300
 _scheduled: set[str] = set()
 _running: list[subprocess.Popen] = []
 
@@ -47,12 +48,15 @@ def _tensor_spec(t: Optional[torch.Tensor], requires_grad: bool) -> Optional[dic
             "requires_grad": bool(requires_grad)}
 
 
+def _extent(spec: dict) -> int:
+    """Elements of the storage a tensor of ``spec``'s shape and strides spans."""
+    return 1 + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
+
+
 def _bytes(spec: Optional[dict]) -> int:
     if spec is None:
         return 0
-    extent = 1 + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
-    element = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
-    return extent * element * (2 if spec["requires_grad"] else 1)
+    return _extent(spec) * getattr(torch, spec["dtype"]).itemsize * (2 if spec["requires_grad"] else 1)
 
 
 def lce_job(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
@@ -132,13 +136,13 @@ def schedule(job: Optional[dict]) -> bool:
 
 def _reap() -> None:
     """Forget finished jobs (one that failed is logged at DEBUG: its kernels compile at their first call)."""
-    for proc in _running:
-        code = proc.poll()
+    codes = [(proc, proc.poll()) for proc in _running]
+    for _, code in codes:
         if code not in (None, 0):
             from comera_compile._logging import logger
 
             logger.debug("comera: a kernel precompile job exited with status %s", code)
-    _running[:] = [p for p in _running if p.poll() is None]
+    _running[:] = [proc for proc, code in codes if code is None]
 
 
 @atexit.register
@@ -154,8 +158,7 @@ def _stop() -> None:
 def _make(spec: Optional[dict], device: torch.device, high: int, gen: torch.Generator) -> Optional[torch.Tensor]:
     if spec is None:
         return None
-    dtype = getattr(torch, spec["dtype"])
-    extent = 1 + sum((n - 1) * s for n, s in zip(spec["shape"], spec["stride"]))
+    dtype, extent = getattr(torch, spec["dtype"]), _extent(spec)
     if dtype.is_floating_point:
         flat = torch.randn(extent, device=device, dtype=dtype, generator=gen)
     else:
@@ -184,9 +187,6 @@ def run_job(job: dict) -> None:
             torch.autograd.grad(out[0], leaves)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-JOB_TIMEOUT_S = 300
 
 
 if __name__ == "__main__":
