@@ -76,9 +76,11 @@ class CompileOptions:
             per group forward and one backward (the backward recomputes the merges), which Inductor
             does not compile: fewer generated kernels and a shorter compile (35-40 % on an H200), the
             merges then running unfused; no double backward through them. ``"auto"`` (default):
-            opaque for ``"tt"`` groups, whose training step measured the same or faster that way,
-            inductor for ``"ttm"`` and ``"btt"`` groups, whose merges form dense weights and whose
-            step measured 3-12 % slower opaque.
+            opaque for ``"tt"`` groups and for embedding groups of any format, whose training step
+            measured the same or faster that way (an embedding's table merges were most of a
+            tensorized encoder's extra compile time under Inductor); inductor for ``"ttm"`` and
+            ``"btt"`` Linear groups, whose merges form dense weights and whose step measured 3-12 %
+            slower opaque.
         tt_strategy: the token-sized path of every tensor-train site. ``"auto"`` (default): the
             planner's cheapest estimate. A pin applies where the site has that candidate (``"dense"``:
             form the weight; ``"factored"``: a ``"tt"`` layer through its bottleneck; ``"contract"``: a

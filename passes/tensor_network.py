@@ -265,10 +265,14 @@ def _groups(sites: list[_Site], graph: fx.Graph) -> list[_Group]:
 
 
 def _opaque_merges(choice: str, g: _Group) -> bool:
-    """Whether group ``g``'s merges are one opaque op (option ``tt_merges``; "auto": for "tt" groups,
-    whose merges end in rank-sized factors or tables; a group forming dense weights is left to
-    Inductor, which fuses the weight's elementwise work)."""
-    return choice == "opaque" or choice == "auto" and g.sites[0].spec.fmt == "tt"
+    """Whether group ``g``'s merges are one opaque op (option ``tt_merges``). "auto": for "tt" groups,
+    whose merges end in rank-sized factors or tables, and for embedding groups, whose merges form a
+    table once per step that only a gather reads (left to Inductor, an embedding's many-axis
+    permutes and their backward's slice-scatters were most of the tensorized model's extra compile
+    time); a group of Linears forming dense weights is left to Inductor, which fuses the weight's
+    elementwise work."""
+    site = g.sites[0]
+    return choice == "opaque" or choice == "auto" and (site.spec.fmt == "tt" or site.kind == "tt_embedding")
 
 
 def _emit_group(graph: fx.Graph, g: _Group, opaque: bool = False) -> None:

@@ -139,13 +139,15 @@ def test_the_merges_fake_layout_is_the_real_one(spec, output, layers, dtype):
 
 
 @pytest.mark.parametrize("merges", [None, "auto", "inductor"])
-def test_auto_merges_make_tt_groups_opaque_and_leave_ttm_to_inductor(merges):
-    """The default ("auto"): the "tt" layers' group is one opaque op, the TT-matrix embedding's merges
-    stay plain ops; "inductor" keeps both plain. The compiled step matches eager either way."""
+def test_auto_merges_make_tt_and_embedding_groups_opaque_and_leave_ttm_linears_to_inductor(merges):
+    """The default ("auto"): the "tt" Linears' group and the TT-matrix embedding's are each one opaque
+    op; the TT-matrix Linear's merges (a dense weight) stay plain ops; "inductor" keeps all of them
+    plain. The compiled step matches eager either way."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = _Net()
     cc.tensorize_(eager, {"emb": cc.TTConfig(fmt="ttm", rank=4, min_size=0),
+                          "fc": cc.TTConfig(fmt="ttm", rank=4, min_size=0),
                           "_default": cc.TTConfig(fmt="tt", rank=4, min_size=0)},
                   filter_fn=lambda mod, fqn: fqn != "out")
     compiled_model = copy.deepcopy(eager)
@@ -158,12 +160,12 @@ def test_auto_merges_make_tt_groups_opaque_and_leave_ttm_to_inductor(merges):
     for (name, a), b in zip(compiled_model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
     rows = [r for g in explain(step, idx).graph_reports for r in g.rewrites]
-    tt_rows = [r for r in rows if (r.module or "").startswith(("q", "k", "fc"))]
-    emb_rows = [r for r in rows if (r.module or "").startswith("emb")]
-    assert tt_rows and emb_rows
+    by_module = {r.module: r for r in rows}
+    assert {"emb", "q", "k", "fc"} <= set(by_module)
     opaque = merges != "inductor"
-    assert all(("one opaque op" in r.detail) == opaque for r in tt_rows)
-    assert not any("one opaque op" in r.detail for r in emb_rows)
+    for module in ("emb", "q", "k"):
+        assert ("one opaque op" in by_module[module].detail) == opaque, module
+    assert "one opaque op" not in by_module["fc"].detail
 
 
 def test_a_bad_tt_merges_value_names_the_choices():
