@@ -3,8 +3,10 @@
 Measures, in the same run: eager PyTorch (F.linear + F.cross_entropy on .float() logits),
 torch.compile of that, cut-cross-entropy (PyPI ``cut-cross-entropy``), Liger's fused linear
 cross-entropy (PyPI ``liger-kernel``, called as ``loss_fn(weight, input, target)``) and every path
-of ours (``comera::linear_cross_entropy``): the default (``auto``, the cost model's choice),
-``sparse`` (filtered), ``static`` (exact recompute), ``chunked`` (exact, gradient in the forward)
+of ours (``comera::linear_cross_entropy``): the default (``auto``, the cost model's choice; a
+sparse choice runs its rounds in the forward, which skip the tiles the forward's logit bounds rule
+out), ``auto-nobounds`` (the same with ``CCETuning.forward_bounds=False``: a sparse choice's rounds
+in the backward, every tile recomputed), ``sparse`` (filtered, pinned: rounds in the backward), ``static`` (exact recompute), ``chunked`` (exact, gradient in the forward)
 at two memory budgets, ``fused`` (small D only), and the default and ``static`` replayed as a CUDA
 graph (inside capture the default never takes the sparse path).
 
@@ -65,8 +67,8 @@ GEMM_TFLOPS = 790.0  # bf16 peak rate on the H200
 HBM_TBPS = 4.3
 MIB = 1 << 20
 PEERS = ("eager", "torch.compile", "cut-cross-entropy", "liger", "torch-lce", "torch-lce-chunked")
-METHODS = ("eager,torch.compile,cut-cross-entropy,liger,torch-lce,torch-lce-chunked,auto,sparse,static,chunked,"
-           "fused,graph")
+METHODS = ("eager,torch.compile,cut-cross-entropy,liger,torch-lce,torch-lce-chunked,auto,auto-nobounds,sparse,static,"
+           "chunked,fused,graph")
 SMOKE_METHODS = "eager,auto,sparse,static,chunked,fused"
 
 
@@ -166,14 +168,21 @@ def peer_methods(which, device):
 
 def our_methods(which, D, budgets, impl, device):
     """name -> (fn, replay as a CUDA graph)."""
+    from comera_compile.kernels.linear_cross_entropy import cce_tuning
     from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy as ours
 
     def make(**kw):
         return lambda x, w, t: ours(x, w, t, impl=impl, **kw)
 
+    def without_bounds(x, w, t):  # the forward decides where the sparse rounds run: the backward's
+        with cce_tuning(forward_bounds=False):
+            return ours(x, w, t, impl=impl)
+
     out = {}
     if "auto" in which:
         out["ours auto"] = (make(), False)
+    if "auto-nobounds" in which:  # as before the forward's logit bounds: a sparse choice runs in the backward
+        out["ours auto, no forward bounds"] = (without_bounds, False)
     if "sparse" in which:
         out["ours sparse (filtered)"] = (make(strategy="sparse"), False)
     if "static" in which:

@@ -54,6 +54,7 @@ from .linear_cross_entropy_plan import (
     CCEStats,
     CCETuning,
     FusedLossDecision,
+    adaptive_plan,
     cce_tuning,
     choose_strategy,
     current_tuning,
@@ -72,7 +73,7 @@ from .linear_cross_entropy_plan import (
 
 __all__ = [
     "CCEStats", "CCETuning", "FusedLossDecision", "LCEOptions", "cce_tuning", "choose_strategy",
-    "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "kept_fractions",
+    "adaptive_plan", "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "kept_fractions",
     "linear_cross_entropy", "logits_bytes", "rates_for", "record_cce_stats", "reset_kept_fractions",
 ]
 
@@ -297,11 +298,14 @@ def _lce_op(
     dx = dw = db = None
     forms = o.forms_grads(x.shape[1], bias is not None)
     if any(forms) and triton and _forward_path(o, x, weight, budget) == "sparse":
-        # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles
-        lse, tz, nll = _triton_loss_terms(x, weight, target, bias, o, valid)
+        # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles,
+        # which also bound the logits: the rounds skip the tiles the filter would drop
+        bounded = current_tuning().forward_bounds
+        lse, tz, nll, bounds = _triton_loss_terms(x, weight, target, bias, o, valid, bounds=bounded)
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         dx, dw, db = recompute_backward("sparse", x, weight, target, bias, lse, tz, coefs, o.softcap,
-                                        o.label_smoothing, o.filter_eps, budget, *forms, phase="forward")
+                                        o.label_smoothing, o.filter_eps, budget, *forms, phase="forward",
+                                        bounds=bounds)
     elif o.strategy == "fused" and any(forms) and triton:
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         lse, tz, dx = forward_dx_small_d(x, weight, target, bias, o.softcap, coefs)
@@ -313,7 +317,7 @@ def _lce_op(
             x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing, budget, triton=triton,
             need_dx=forms[0], need_dw=forms[1], need_db=forms[2], phase="forward")
     elif triton:
-        lse, tz, nll = _triton_loss_terms(x, weight, target, bias, o, valid)
+        lse, tz, nll, _ = _triton_loss_terms(x, weight, target, bias, o, valid)
     else:
         nll, lse, tz, *_ = chunked(x, weight, target, bias, None, o.softcap, o.ignore_index, o.label_smoothing,
                                    budget, triton=False, need_dx=False, need_dw=False, need_db=False,
@@ -322,15 +326,17 @@ def _lce_op(
             dw if dw is not None else weight.new_empty((0,)), db if db is not None else x.new_empty((0,)))
 
 
-def _triton_loss_terms(x, weight, target, bias, o: LCEOptions, valid: torch.Tensor):
-    """(lse, target logit, per-token loss) fp32 [N] over Triton logits tiles (0 at ignored rows)."""
+def _triton_loss_terms(x, weight, target, bias, o: LCEOptions, valid: torch.Tensor, bounds: bool = False):
+    """(lse, target logit, per-token loss) fp32 [N] over Triton logits tiles (0 at ignored rows), and
+    with ``bounds`` the tiles' :class:`LogitBounds` at the filter (else None)."""
     V = weight.shape[0]
-    lse, tz, zs = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing)
+    lse, tz, zs, lb = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing,
+                                     filter_eps=o.filter_eps if bounds and o.filters() else 0.0)
     nll = lse - (1.0 - o.label_smoothing) * tz
     if zs is not None:
         nll = nll - (o.label_smoothing / V) * zs
     nll = torch.where(valid, nll, torch.zeros((), device=x.device, dtype=torch.float32))
-    return lse, torch.where(valid, tz, 0.0), nll
+    return lse, torch.where(valid, tz, 0.0), nll, lb
 
 
 def _sparse_may_run(o: LCEOptions, x: torch.Tensor) -> bool:
@@ -556,9 +562,10 @@ def linear_cross_entropy(
         # the plan (it fixes the op's outputs); the op re-decides at run time (adaptive)
         options = dataclasses.replace(options, adaptive=True)
         if any(need) and isinstance(x.shape[0], int):
-            options = dataclasses.replace(options, strategy=choose_strategy(
-                x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
-                rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args()))
+            best = choose_strategy(x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
+                                   rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args())
+            options = dataclasses.replace(options, strategy=adaptive_plan(
+                best, x.dtype, reduction=options.reduction, lse_grad=return_lse))
     options = options.with_needs(*need)
     loss, lse, *_ = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())
     return (loss, lse) if return_lse else loss

@@ -101,16 +101,17 @@ if HAS_TRITON:
 
     @triton.jit
     def lse_forward_kernel(
-        X, W, Bias, T, M_out, S_out, TZ_out, ZS_out,
+        X, W, Bias, T, M_out, S_out, TZ_out, ZS_out, ColMax,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, vb_per_split, num_tb, splits,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-        ONE_K: tl.constexpr, HAS_TZ: tl.constexpr,
+        ONE_K: tl.constexpr, HAS_TZ: tl.constexpr, HAS_COLMAX: tl.constexpr = False,
     ):
         """Per (token block, vocabulary split): max, sum-exp, target logit (HAS_TZ; else the host
         computes it) and logit sum [splits, N]. ONE_K (D <= BLOCK_K): the x block is loaded once,
-        the loop over vocabulary blocks only streams W (and is software-pipelined)."""
+        the loop over vocabulary blocks only streams W (and is software-pipelined). HAS_COLMAX: also
+        each column's largest (softcapped) logit over the block's rows, ColMax [token blocks, V]."""
         # Programs that run together share GROUP_M token blocks (x stays in L2) and a few
         # vocabulary splits (each W tile is read by GROUP_M programs at about the same time).
         pid = tl.program_id(0)
@@ -145,6 +146,9 @@ if HAS_TRITON:
             if HAS_SOFTCAP:
                 z = softcap * stable_tanh(z / softcap)
             z = tl.where(mask_n[None, :], z, float("-inf"))
+            if HAS_COLMAX:
+                cm = tl.max(tl.where(mask_m[:, None], z, float("-inf")), 0)
+                tl.store(ColMax + pid_m.to(tl.int64) * V + offs_n, cm, mask=mask_n)
             m_new = tl.maximum(m, tl.max(z, 1))
             alpha = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_new))
             e = tl.where(z == float("-inf"), 0.0, tl.exp(z - m_new[:, None]))
@@ -258,18 +262,24 @@ if HAS_TRITON:
 
     @triton.jit
     def grad_sparse_kernel(
-        X, W, Bias, Order, LSE, PCoef, SCoef, G, GCol, Slot, Counter,
+        X, W, Bias, Order, LSE, PCoef, SCoef, G, GCol, Slot, Counter, Maybe,
         N, V, D, sxn, sxd, swv, swd, sb, softcap, filter_eps,
-        capacity, col_start, nvb_range, num_tb,
+        capacity, col_start, nvb_range, num_tb, nvb_all,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_V: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH_IN_TILE: tl.constexpr,
-        HAS_ORDER: tl.constexpr,
+        HAS_ORDER: tl.constexpr, HAS_MAYBE: tl.constexpr = False,
     ):
         """One tile per program. A kept tile goes to slot = atomic counter; Slot[tb, vbl] = slot,
-        -1 when filtered out, -2 when the slot buffer was full (the tile is redone next round)."""
+        -1 when filtered out, -2 when the slot buffer was full (the tile is redone next round).
+        HAS_MAYBE: Maybe [token blocks, all vocabulary blocks] (uint8) is 0 where the forward's
+        logit bounds show that the filter drops the tile: it is not recomputed."""
         tb, vbl = tile_coords(tl.program_id(0), nvb_range, num_tb, GROUP_V)
         slot_ptr = Slot + tb.to(tl.int64) * nvb_range + vbl
+        if HAS_MAYBE:
+            if tl.load(Maybe + tb.to(tl.int64) * nvb_all + col_start // BLOCK_N + vbl) == 0:
+                tl.store(slot_ptr, -1)
+                return
         if tl.atomic_add(Counter, 0) >= capacity:
             tl.store(slot_ptr, -2)
             return

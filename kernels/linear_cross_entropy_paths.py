@@ -99,8 +99,10 @@ def grad_coefs(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: float):
-    """(lse, softcapped target logit, logit sum or None), fp32 [N], over Triton logits tiles."""
+def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: float,
+                   filter_eps: float = 0.0):
+    """(lse, softcapped target logit, logit sum or None), fp32 [N], over Triton logits tiles; with
+    ``filter_eps > 0`` also the :class:`LogitBounds` of the tiles, for a sparse pass that follows."""
     cfg = _tuning(x)
     N, D = x.shape
     V = weight.shape[0]
@@ -119,18 +121,68 @@ def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: flo
     tz_part = torch.empty((splits, N), **f32) if not one_k else m_part
     smooth = label_smoothing > 0.0
     zs_part = torch.empty((splits, N), **f32) if smooth else m_part
+    # fp16 (the margin of LogitBounds covers its rounding; beyond its range the bound is infinite and
+    # keeps the tiles): 1/(64 BM) of the fp32 logits
+    colmax = torch.empty((num_tb, V), device=x.device, dtype=torch.float16) if filter_eps > 0.0 else m_part
     lse_forward_kernel[(num_tb * splits,)](
-        x, weight, bias if bias is not None else x, target, m_part, s_part, tz_part, zs_part,
+        x, weight, bias if bias is not None else x, target, m_part, s_part, tz_part, zs_part, colmax,
         N, V, D, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         bias.stride(0) if bias is not None else 0, float(softcap), vb_per_split, num_tb, splits,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.fwd_group_m, EVEN_K=D % BK == 0,
         DOT_PRECISION=dot_precision(x.dtype), HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap > 0.0, HAS_SMOOTH=smooth, ONE_K=one_k, HAS_TZ=not one_k,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        HAS_COLMAX=filter_eps > 0.0, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     record(CCEStats(phase="forward", path="triton"))
     tz = _target_logits(x, weight, target, bias, softcap) if one_k else tz_part.sum(0)
-    return _combine_splits(m_part, s_part)[0], tz, zs_part.sum(0) if smooth else None
+    lse = _combine_splits(m_part, s_part)[0]
+    bounds = LogitBounds.of(colmax, lse, BM, filter_eps) if filter_eps > 0.0 else None
+    return lse, tz, zs_part.sum(0) if smooth else None, bounds
+
+
+@dataclass
+class LogitBounds:
+    """Which tiles a sparse pass may keep, from the forward's logits: ``maybe[b, v]`` (uint8) is 0
+    where column v's largest logit over token block b (``rows`` tokens) stays so far below the
+    block's smallest lse that no softmax entry of the column reaches ``filter_eps`` there (with a
+    margin for the recompute's different rounding). A sparse pass then skips, without recomputing
+    it, every tile all of whose (block, column) entries are 0: the filter would drop it. NaN and
+    infinities compare false, so they always keep their tiles."""
+
+    maybe: torch.Tensor
+    rows: int
+
+    @staticmethod
+    def of(colmax: torch.Tensor, lse: torch.Tensor, rows: int, filter_eps: float,
+           chunk_bytes: int = 16 << 20) -> "LogitBounds":
+        """From ``colmax`` [token blocks of ``rows``, V] (any float dtype whose rounding is below
+        2**-7 relative) and the lse [N]. A column is ruled out where c + 2**-6 |c| < lo + log(eps) -
+        1 - 2**-6 |lo| (lo: the block's smallest lse), i.e. c below lo + log(eps) minus a margin of
+        1 nat and 2**-6 of both magnitudes; fp32 arithmetic over column chunks of ``chunk_bytes``."""
+        N = lse.shape[0]
+        pad = colmax.shape[0] * rows - N
+        low = torch.nn.functional.pad(lse, (0, pad), value=float("inf")).view(-1, rows).amin(1)[:, None]
+        right = low + (math.log(filter_eps) - 1.0) - 2.0**-6 * low.abs()
+        maybe = torch.empty(colmax.shape, device=colmax.device, dtype=torch.uint8)
+        step = max(1, chunk_bytes // (4 * colmax.shape[0]))
+        for c0 in range(0, colmax.shape[1], step):
+            c = colmax[:, c0:c0 + step].float()
+            left = c + 2.0**-6 * c.abs()
+            torch.logical_not(left < right, out=maybe[:, c0:c0 + step])
+        return LogitBounds(maybe, rows)
+
+    def tile_flags(self, order: Optional[torch.Tensor], N: int, BM: int, BN: int) -> torch.Tensor:
+        """uint8 [cdiv(N, BM), cdiv(V, BN)]: 0 where every entry of the tile (token block of BM,
+        vocabulary block of BN in ``order``'s visiting order) is 0."""
+        maybe = self.maybe.index_select(1, order.long()) if order is not None else self.maybe
+        V = maybe.shape[1]
+        nvb = _cdiv(V, BN)
+        cols = torch.nn.functional.pad(maybe, (0, nvb * BN - V)).view(-1, nvb, BN).amax(2)
+        if self.rows == BM and cols.shape[0] == _cdiv(N, BM):
+            return cols.contiguous()
+        per_row = cols.index_select(0, torch.arange(N, device=cols.device) // self.rows)
+        num_tb = _cdiv(N, BM)
+        return torch.nn.functional.pad(per_row, (0, 0, 0, num_tb * BM - N)).view(num_tb, BM, nvb).amax(1).contiguous()
 
 
 def _target_logits(x, weight, target, bias, softcap: float, chunk: int = 4096) -> torch.Tensor:
@@ -429,13 +481,15 @@ class _Backward:
 class _SparseRounds:
     """The buffers of the sparse path and its three steps per round: keep tiles, reduce dX, reduce dW."""
 
-    def __init__(self, bw: _Backward):
+    def __init__(self, bw: _Backward, bounds: Optional[LogitBounds] = None):
         cfg = self.cfg = bw.cfg
         self.bw = bw
         self.BM, self.BN, self.BD = cfg.bwd_block_m, cfg.bwd_block_n, cfg.cons_block_d
         self.num_tb, self.nvb = _cdiv(bw.N, self.BM), _cdiv(bw.V, self.BN)
         dev = bw.x.device
         self.i32 = dict(device=dev, dtype=torch.int32)
+        # tiles the forward's bounds rule out: 0 (never recomputed); None: every tile is recomputed
+        self.maybe = bounds.tile_flags(bw.order, bw.N, self.BM, self.BN) if bounds is not None else None
         elem = torch.finfo(bw.gdtype).bits // 8
         self.capacity = max(self.num_tb, min(cfg.tile_budget_bytes, bw.budget) // (self.BM * self.BN * elem))
         self.G = torch.empty((self.capacity, self.BM, self.BN), device=dev, dtype=bw.gdtype)
@@ -451,25 +505,32 @@ class _SparseRounds:
                          DOT_PRECISION=dot_precision(bw.x.dtype), num_warps=cfg.cons_warps,
                          num_stages=cfg.cons_stages)
 
-    def keep_tiles(self, vb_start: int) -> tuple[int, int, torch.Tensor]:
-        """Recompute the tiles from vocabulary block ``vb_start`` on, keep those above the filter
-        while the buffer lasts; (block columns done, tiles kept, slot map [token block, column])."""
+    def keep_tiles(self, vb_start: int) -> tuple[int, int, int, torch.Tensor]:
+        """Recompute the tiles from vocabulary block ``vb_start`` on (but those the forward's bounds
+        rule out), keep those above the filter while the buffer lasts; (block columns done, tiles
+        kept, tiles ruled out by the bounds, slot map [token block, column])."""
         bw, cfg, BN, num_tb = self.bw, self.cfg, self.BN, self.num_tb
         nvr = self.nvb - vb_start
         self.counter.zero_()
+        maybe = self.maybe
         grad_sparse_kernel[(num_tb * nvr,)](
             bw.x, bw.weight, bw.bias if bw.bias is not None else bw.x, bw.order, bw.lse, bw.pcoef, bw.lse,
-            self.G, self.gcol, self.slot_map, self.counter, bw.N, bw.V, bw.D, *bw.strides(),
-            float(bw.softcap), float(bw.filter_eps), self.capacity, vb_start * BN, nvr, num_tb,
-            BLOCK_N=BN, HAS_ORDER=True, GROUP_V=cfg.group_v,
+            self.G, self.gcol, self.slot_map, self.counter, maybe if maybe is not None else self.counter,
+            bw.N, bw.V, bw.D, *bw.strides(),
+            float(bw.softcap), float(bw.filter_eps), self.capacity, vb_start * BN, nvr, num_tb, self.nvb,
+            BLOCK_N=BN, HAS_ORDER=True, GROUP_V=cfg.group_v, HAS_MAYBE=maybe is not None,
             **bw.tile_args(self.BM, cfg.bwd_block_k, cfg.bwd_warps, cfg.bwd_stages))
         sm = self.slot_map[: num_tb * nvr].view(num_tb, nvr)
         unresolved = (sm == -2).any(0)
         done_t = torch.where(unresolved.any(), unresolved.int().argmax(), nvr)
+        last = (done_t - 1).clamp_min(0)
         kept_cum = torch.cumsum((sm >= 0).sum(0), 0)
-        done, n_kept = torch.stack(  # the one host sync of a round
-            [done_t, torch.where(done_t > 0, kept_cum[(done_t - 1).clamp_min(0)], 0)]).tolist()
-        return done, n_kept, sm[:, :done]
+        counts = [done_t, torch.where(done_t > 0, kept_cum[last], 0)]
+        if maybe is not None:
+            ruled_cum = torch.cumsum((maybe[:, vb_start:] == 0).sum(0), 0)
+            counts.append(torch.where(done_t > 0, ruled_cum[last], 0))
+        done, n_kept, *ruled = torch.stack(counts).tolist()  # the one host sync of a round
+        return done, n_kept, (ruled[0] if ruled else 0), sm[:, :done]
 
     def reduce_dx(self, sm: torch.Tensor, vb_start: int, first: bool) -> None:
         """dX (+)= the kept tiles of the round, token block by token block, plus the round's targets."""
@@ -505,21 +566,22 @@ class _SparseRounds:
             **self.cons)
 
 
-def _sparse(bw: _Backward, phase: str = "backward") -> None:
+def _sparse(bw: _Backward, phase: str = "backward", bounds: Optional[LogitBounds] = None) -> None:
     """Sparse rounds: kept tiles go to a bounded buffer and are reduced by the dx/dw kernels. When
     two rounds in a row keep most tiles, or after ``dense_after_rounds`` rounds, the rest of the
     vocabulary goes through static chunks. One host sync per round (never under capture). The
     fraction of tiles kept over the blocks the rounds covered goes to ``observe_kept_fraction``
     (host integers the rounds' syncs already read: no extra sync)."""
-    sp = _SparseRounds(bw)
+    sp = _SparseRounds(bw, bounds)
     cfg = bw.cfg
-    rounds = kept_total = vb_start = dense_streak = 0
+    rounds = kept_total = ruled_total = vb_start = dense_streak = 0
     while vb_start < sp.nvb:
-        done, n_kept, sm = sp.keep_tiles(vb_start)
+        done, n_kept, n_ruled, sm = sp.keep_tiles(vb_start)
         if done == 0:  # not even one block column fitted: the rest goes static
             break
         rounds += 1
         kept_total += n_kept
+        ruled_total += n_ruled
         if bw.need_dx:
             sp.reduce_dx(sm, vb_start, first=rounds == 1)
         if bw.need_dw or bw.need_db:
@@ -536,7 +598,7 @@ def _sparse(bw: _Backward, phase: str = "backward") -> None:
     chunks = _static(bw, vb_start * BN, continuing=rounds > 0) if vb_start < nvb else 0
     observe_kept_fraction(bw.V, bw.D, bw.x.dtype, bw.filter_eps, kept_total, covered)
     record(CCEStats(phase=phase, path="sparse", chunks=chunks, sparse_rounds=rounds,
-                    tiles=tiles, kept_tiles=kept_total, sparse_blocks=vb_start))
+                    tiles=tiles, kept_tiles=kept_total, sparse_blocks=vb_start, skipped_tiles=ruled_total))
 
 
 def _static(bw: _Backward, p0: int = 0, continuing: bool = False) -> int:
@@ -643,14 +705,16 @@ def _fused(bw: _Backward, phase: str = "backward") -> None:
 
 def recompute_backward(path: str, x, weight, target, bias, lse, tz, coefs: GradCoefs, softcap: float,
                        label_smoothing: float, filter_eps: float, budget: int,
-                       need_dx: bool, need_dw: bool, need_db: bool, phase: str = "backward"):
+                       need_dx: bool, need_dw: bool, need_db: bool, phase: str = "backward",
+                       bounds: Optional[LogitBounds] = None):
     """(dx, dw, db) by one of the Triton recompute paths: "sparse", "static" or "fused". ``phase``
     names the call in its :class:`CCEStats`: "forward" when the forward forms the gradient (for
-    ``grad_output = 1``) by sparse rounds in place of the chunked path."""
+    ``grad_output = 1``) by sparse rounds in place of the chunked path. ``bounds`` (sparse only):
+    the forward's :class:`LogitBounds`, whose ruled-out tiles are not recomputed."""
     bw = _Backward(x, weight, target, bias, lse, tz, coefs, softcap, label_smoothing, filter_eps,
                    budget, need_dx, need_dw, need_db, order=path == "sparse")
     if path == "sparse":
-        _sparse(bw, phase)
+        _sparse(bw, phase, bounds)
     elif path == "fused":
         _fused(bw, phase)
     else:

@@ -10,7 +10,11 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
   gradient, memory bounded by the chunk; the backward only scales by ``grad_output``. Only for
   reduction "mean"/"sum" and when the lse is not differentiated.
 * ``"sparse"``: the backward recomputes the logits tiles and keeps the ones above the filter in a
-  bounded buffer (rounds, one host sync each). Filtered only, never under CUDA-graph capture.
+  bounded buffer (rounds, one host sync each). Filtered only, never under CUDA-graph capture. The
+  rounds may instead run in the forward, for a "chunked" plan chosen by "auto"; there the forward's
+  logits tiles bound each column's logits, and the rounds skip (never recompute) the tiles whose
+  bound is below the filter (``LogitBounds``; :func:`adaptive_plan` plans an automatic "sparse"
+  choice that way where chunked may run).
 * ``"static"``: the backward recomputes the gradient of whole vocabulary chunks and reduces them
   with library GEMMs; a schedule fixed by the shapes (capture-safe), exact.
 * ``"fused"``: the backward recomputes the tiles inside kernels that own their output rows (dX by
@@ -62,7 +66,8 @@ import torch
 __all__ = [
     "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
     "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision",
-    "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "cce_tuning", "choose_strategy", "chunk_plan",
+    "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "adaptive_plan", "cce_tuning", "choose_strategy",
+    "chunk_plan",
     "current_tuning", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
     "estimate_seconds", "format_bytes", "fused_loss_pays", "kept_fractions", "logits_bytes",
     "observe_kept_fraction", "observed_kept_fraction", "rates_for", "record", "record_cce_stats",
@@ -144,6 +149,10 @@ class CCETuning:
     # see the module doc) when this many calls of their shape class passed without it: at most its
     # extra time on one step in 50 where it does not pay (~1 % at the Llama-3 head, flat logits).
     probe_every: int = 50
+    # Sparse rounds run in the forward (a "chunked" plan the op switched to sparse) skip the tiles
+    # whose logits the forward's tiles bound below the filter (``LogitBounds``). False: every tile
+    # is recomputed, as the sparse rounds of a backward do.
+    forward_bounds: bool = True
 
     def fit(self, dtype: torch.dtype, on_gpu: bool, hidden: int) -> "CCETuning":
         """Tiles for this dtype and hidden size.
@@ -182,7 +191,9 @@ class CCEStats:
     ``path``: "chunked", "sparse", "static", "fused", "triton" (forward-only logits tiles) or
     "torch" (the reference). ``chunks``: token chunks (chunked, torch) or vocabulary chunks
     (static, and the dense tail of sparse). ``tiles``/``kept_tiles``: gradient tiles in all and
-    kept by the sparse rounds; ``sparse_blocks``: vocabulary blocks the sparse rounds covered.
+    kept by the sparse rounds; ``sparse_blocks``: vocabulary blocks the sparse rounds covered;
+    ``skipped_tiles``: tiles of those blocks that the sparse rounds did not recompute, because the
+    forward's logit bounds showed the filter drops them (sparse rounds in the forward only).
     """
 
     phase: str
@@ -192,6 +203,7 @@ class CCEStats:
     tiles: int = 0
     kept_tiles: int = 0
     sparse_blocks: int = 0
+    skipped_tiles: int = 0
 
 
 _LOCK = threading.Lock()
@@ -573,6 +585,19 @@ def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
     allowed = _allowed(costs, dtype, reduction=reduction, backward=backward, deterministic=deterministic,
                        capture=capture, lse_grad=lse_grad)
     return min(allowed, key=allowed.get)
+
+
+def adaptive_plan(strategy: str, dtype: torch.dtype, *, reduction: str = "mean", lse_grad: bool = False) -> str:
+    """The plan of a call that re-decides at run time (``strategy="auto"``) for the cost model's
+    choice ``strategy``: a "sparse" choice becomes "chunked" where the chunked path may run
+    (reduction "mean"/"sum", the lse not differentiated, not fp16). The op then runs sparse rounds
+    in the forward (:func:`runtime_strategy` picks them at the same observed fraction), where the
+    forward's logit bounds skip the tiles the filter drops; a backward's rounds recompute every
+    tile. With ``CCETuning.forward_bounds`` off the choice stays as it is."""
+    if (strategy == "sparse" and current_tuning().forward_bounds and reduction != "none" and not lse_grad
+            and dtype != torch.float16):
+        return "chunked"
+    return strategy
 
 
 def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,

@@ -61,6 +61,7 @@ from comera_compile.kernels.dispatch import use_triton
 from comera_compile.kernels.linear_cross_entropy import (  # defines the op
     FusedLossDecision,
     LCEOptions,
+    adaptive_plan,
     decide_fused_loss,
     describe_logits,
     logits_bytes,
@@ -678,8 +679,9 @@ def _build(emit: _Emitter, head: _Head, ctx: PassContext, options: LCEOptions,
     if b is not None and fake(b).dtype != dtype and not chain_bias_fp32:
         b = emit.method("to", b, dtype)
     needs = [ctx.training and isinstance(fake(t), torch.Tensor) and fake(t).requires_grad for t in (h, w, b)]
-    call = dataclasses.replace(options.with_needs(*needs), strategy=decision.strategy,
-                               adaptive=ctx.options.cce_strategy == "auto")
+    adaptive = ctx.options.cce_strategy == "auto"
+    strategy = adaptive_plan(decision.strategy, dtype, reduction=options.reduction) if adaptive else decision.strategy
+    call = dataclasses.replace(options.with_needs(*needs), strategy=strategy, adaptive=adaptive)
     fused = emit.function(torch.ops.comera.linear_cross_entropy.default, h, w, head.target, b, *call.op_args())
     loss = emit.function(operator.getitem, fused, 0)
     expected = fake(head.loss)

@@ -202,7 +202,9 @@ def test_auto_flips_from_chunked_to_sparse_after_peaked_steps(scaled_rates):
         assert paths == [SPARSE_IN_FORWARD, CHUNKED, CHUNKED]
         assert kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)].fraction == 1.0
         paths = [_step(_auto, *peaked), _step(_auto, *peaked), _step(_auto, *peaked)]
-    assert paths == [CHUNKED, SPARSE_IN_FORWARD, SPARSE], paths  # the 4th call since the probe probes
+    # the 4th call since the probe probes; then the cost model's "sparse" is planned as "chunked"
+    # (adaptive_plan), whose sparse rounds run in the forward, where the forward's logit bounds apply
+    assert paths == [CHUNKED, SPARSE_IN_FORWARD, SPARSE_IN_FORWARD], paths
     seen = kept_fractions()[ShapeClass(V, D, torch.float32, EPS32)]
     assert seen.last <= 0.15 and seen.fraction < 0.2, seen
     assert choose_strategy(N, D, V, torch.float32, rates=SCALED) == "sparse"
@@ -316,3 +318,25 @@ def test_the_cce_pass_plans_an_adaptive_call_unless_pinned(pinned):
     (op,) = [n for n in report.graphs[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
     planned = lce.LCEOptions.from_op_args(op.args[4:])
     assert planned.adaptive == (pinned is None) and planned.need_dw
+
+
+@pytest.mark.parametrize("pinned", [None, "sparse"])
+def test_the_cce_pass_plans_an_automatic_sparse_choice_as_chunked(monkeypatch, pinned):
+    """Where the cost model picks sparse, the pass plans "chunked" (adaptive_plan: the op then runs
+    the sparse rounds in its forward, with the forward's logit bounds); a pinned "sparse" stays."""
+    import dataclasses
+
+    import comera_compile as cc
+    import comera_compile.passes.cce as cce_pass
+
+    real = cce_pass.decide_fused_loss
+    monkeypatch.setattr(cce_pass, "decide_fused_loss",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), strategy="sparse"))
+    head = torch.nn.Linear(12, 37, bias=False)
+    x, y = torch.randn(8, 12), torch.randint(0, 37, (8,))
+    options = {"inner": "eager", "cce_min_vocab": 0, **({"cce_strategy": pinned} if pinned else {})}
+    report = cc.explain(lambda x, y: F.cross_entropy(head(x), y), x, y, options=options)
+    (op,) = [n for n in report.graphs[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
+    planned = lce.LCEOptions.from_op_args(op.args[4:])
+    assert planned.strategy == ("chunked" if pinned is None else "sparse")
+    assert planned.adaptive == (pinned is None)

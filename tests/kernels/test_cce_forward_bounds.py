@@ -1,0 +1,191 @@
+"""The forward's logit bounds (``LogitBounds``): sparse rounds run in the forward skip, without
+recomputing them, the tiles whose largest logit the forward bounds below the filter. Checked against
+a brute-force filter over the full logits (never a tile the filter keeps), and end to end against
+the same rounds without the bounds and against float64 (CPU; Triton interpreter for the op)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comera_compile.kernels.linear_cross_entropy as lce
+from comera_compile.kernels.linear_cross_entropy import (
+    cce_tuning,
+    linear_cross_entropy,
+    record_cce_stats,
+    reset_kept_fractions,
+)
+from comera_compile.kernels.linear_cross_entropy_paths import LogitBounds
+from comera_compile.kernels.linear_cross_entropy_plan import DeviceRates, adaptive_plan, default_filter_eps
+
+N, D, V = 64, 48, 256
+SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
+SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
+                   bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
+                   fused_block_m=16, fused_block_n=32)
+EPS32 = default_filter_eps(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_observations():
+    reset_kept_fractions()
+    yield
+    reset_kept_fractions()
+
+
+@pytest.fixture
+def forward_sparse(monkeypatch):
+    """strategy="auto" plans "chunked" for this head (the Llama-3 head's pricing, scaled), and its
+    first call probes sparse rounds in the forward: the path that takes the bounds."""
+    cpu = lce.rates_for(False)
+    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    with cce_tuning(**SMALL_TILES):
+        yield
+
+
+def _peaked(seed=0):
+    """A trained-like head: a steep prior in one hidden direction, targets among the frequent
+    words, hidden states pointing at their target's row (most tiles below the filter)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    w[:, 0] = torch.linspace(8.0, -192.0, V)
+    w = w[torch.randperm(V, generator=g)]  # the frequent words spread over the vocabulary
+    t = torch.randint(0, V, (N,), generator=g)
+    order = torch.argsort(w[:, 0], descending=True)
+    t = order[torch.randint(0, 12, (N,), generator=g)]
+    x = 3.0 * w[t] + torch.randn(N, D, generator=g) / D**0.5
+    x[:, 0] = 1.0
+    return x, w, t
+
+
+def _tiles_the_filter_keeps(z, order, BM, BN, eps):
+    """Brute force: a tile is kept when some softmax entry in it reaches eps (NaN keeps it)."""
+    p = (z - torch.logsumexp(z, 1, keepdim=True)).exp()[:, order]
+    n, v = p.shape
+    p = F.pad(p, (0, (-v) % BN, 0, (-n) % BM))
+    tiles = p.view(p.shape[0] // BM, BM, p.shape[1] // BN, BN)
+    return (tiles >= eps).any(3).any(1) | tiles.isnan().any(3).any(1)
+
+
+def _bounds_of(z, rows, eps):
+    n = z.shape[0]
+    colmax = F.pad(z, (0, 0, 0, (-n) % rows), value=float("-inf")).view(-1, rows, z.shape[1]).amax(1)
+    return LogitBounds.of(colmax, torch.logsumexp(z, 1), rows, eps)
+
+
+@pytest.mark.parametrize("rows,BM,BN,n", [(16, 16, 16, 64), (16, 32, 16, 70), (32, 16, 32, 61), (8, 8, 64, 64)])
+def test_the_bounds_never_rule_out_a_tile_the_filter_keeps(rows, BM, BN, n):
+    torch.manual_seed(0)
+    x, w, _ = _peaked()
+    x = torch.cat([x, x[: n - N]]) if n > N else x[:n]
+    z = x @ w.T
+    order = torch.argsort(w @ x.sum(0), descending=True)
+    kept = _tiles_the_filter_keeps(z, order, BM, BN, EPS32)
+    flags = _bounds_of(z, rows, EPS32).tile_flags(order.to(torch.int32), n, BM, BN)
+    assert flags.shape == kept.shape and flags.dtype == torch.uint8
+    assert bool((flags.bool() | ~kept).all()), "a tile the filter keeps was ruled out"
+    assert (flags == 0).sum() > 0.5 * flags.numel()  # and they do rule out most of a peaked head's tiles
+    # without an order the tiles are read in vocabulary order
+    natural = torch.arange(V)
+    assert bool((_bounds_of(z, rows, EPS32).tile_flags(None, n, BM, BN).bool()
+                 | ~_tiles_the_filter_keeps(z, natural, BM, BN, EPS32)).all())
+
+
+def test_nan_and_infinite_logits_keep_their_tiles():
+    """Every tile the filter cannot drop (a NaN or infinite entry among them: is_filtered keeps
+    those) stays; a NaN lse keeps its whole token block."""
+    x, w, _ = _peaked()
+    z = x @ w.T
+    z[3, 5] = float("nan")
+    z[20, 7] = float("inf")
+    z[40] = float("-inf")
+    flags = _bounds_of(z, 16, EPS32).tile_flags(None, N, 16, 16)
+    kept = _tiles_the_filter_keeps(z, torch.arange(V), 16, 16, EPS32)
+    assert bool((flags.bool() | ~kept).all())
+    assert bool((flags[0] == 1).all())  # row 3's lse is NaN
+    assert flags[1, 0] == 1  # the tile of the inf logit (its softmax entry is NaN)
+    assert bool((flags[2] == 1).all())  # a row of -inf logits: its lse is -inf, nothing is ruled out
+    assert (flags[3] == 0).any()  # an ordinary block still rules tiles out
+
+
+def test_a_logit_just_above_the_filter_keeps_its_tile():
+    """The margin covers the recompute's rounding: an entry at log(eps) + 1e-3 keeps its tile."""
+    z = torch.full((16, 64), -100.0)
+    z[:, 0] = 0.0  # lse ~ 0
+    z[5, 40] = math.log(EPS32) + 1e-3
+    flags = _bounds_of(z, 16, EPS32).tile_flags(None, 16, 16, 16)
+    assert flags.tolist() == [[1, 0, 1, 0]]
+
+
+def _train_step(x, w, t):
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with record_cce_stats() as stats:
+        loss = linear_cross_entropy(xr, wr, t, impl="triton")
+        grads = torch.autograd.grad(loss, (xr, wr))
+    return (loss.detach(),) + grads, stats
+
+
+def _ref64(x, w, t):
+    xd, wd = (a.detach().double().requires_grad_() for a in (x, w))
+    loss = F.cross_entropy(xd @ wd.T, t)
+    return (loss.detach(),) + torch.autograd.grad(loss, (xd, wd))
+
+
+def test_sparse_rounds_in_the_forward_skip_tiles_and_give_the_same_gradients(forward_sparse):
+    x, w, t = _peaked()
+    with_bounds, stats = _train_step(x, w, t)
+    assert [(s.phase, s.path) for s in stats] == [("forward", "triton"), ("forward", "sparse")]
+    sparse = stats[1]
+    assert sparse.skipped_tiles > 0.5 * sparse.tiles  # most of the peaked head's tiles not recomputed
+    assert sparse.kept_tiles + sparse.skipped_tiles <= sparse.tiles
+    reset_kept_fractions()
+    with cce_tuning(forward_bounds=False):
+        without, stats_off = _train_step(x, w, t)
+    assert [(s.phase, s.path) for s in stats_off] == [("forward", "triton"), ("forward", "sparse")]
+    assert stats_off[1].skipped_tiles == 0 and stats_off[1].kept_tiles == sparse.kept_tiles
+    for a, b, name in zip(with_bounds, without, ("loss", "dx", "dw")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)  # the same tiles, reduced in the same order
+    for got, ref, name in zip(with_bounds, _ref64(x, w, t), ("loss", "dx", "dw")):
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-5, name
+
+
+def test_a_nan_hidden_state_propagates_with_the_bounds(forward_sparse):
+    x, w, t = _peaked()
+    x[7, 3] = float("nan")
+    (loss, dx, dw), stats = _train_step(x, w, t)
+    assert [(s.phase, s.path) for s in stats] == [("forward", "triton"), ("forward", "sparse")]
+    assert loss.isnan()
+    reset_kept_fractions()
+    with cce_tuning(forward_bounds=False):
+        (_, dx_off, dw_off), _ = _train_step(x, w, t)
+    assert torch.equal(dx.isnan(), dx_off.isnan()) and torch.equal(dw.isnan(), dw_off.isnan())
+    assert dx[7].isnan().all()
+
+
+def test_an_automatic_sparse_choice_is_planned_as_chunked_where_that_may_run():
+    """Its rounds then run in the forward, with the bounds; where the chunked path may not run (fp16,
+    reduction "none", a differentiated lse) or the bounds are off, the choice stays "sparse"."""
+    bf16 = torch.bfloat16
+    assert adaptive_plan("sparse", bf16) == "chunked"
+    assert adaptive_plan("sparse", torch.float32, reduction="sum") == "chunked"
+    assert adaptive_plan("sparse", torch.float16) == "sparse"
+    assert adaptive_plan("sparse", bf16, reduction="none") == "sparse"
+    assert adaptive_plan("sparse", bf16, lse_grad=True) == "sparse"
+    for other in ("chunked", "static", "fused"):
+        assert adaptive_plan(other, bf16) == other
+    with cce_tuning(forward_bounds=False):
+        assert adaptive_plan("sparse", bf16) == "sparse"
+
+
+def test_with_the_bounds_off_an_automatic_sparse_choice_stays_in_the_backward(forward_sparse):
+    from comera_compile.kernels.linear_cross_entropy_plan import observe_kept_fraction
+
+    x, w, t = _peaked()
+    with cce_tuning(forward_bounds=False):
+        observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64)  # peaked steps were seen: auto picks sparse
+        got, stats = _train_step(x, w, t)
+    assert [(s.phase, s.path) for s in stats] == [("forward", "triton"), ("backward", "sparse")]
+    for a, ref, name in zip(got, _ref64(x, w, t), ("loss", "dx", "dw")):
+        assert float((a.double() - ref).norm() / ref.norm()) < 1e-5, name
