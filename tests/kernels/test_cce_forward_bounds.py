@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import comera_compile.kernels.linear_cross_entropy as lce
 from comera_compile.kernels.linear_cross_entropy import (
     cce_tuning,
     linear_cross_entropy,
@@ -17,32 +16,13 @@ from comera_compile.kernels.linear_cross_entropy import (
     reset_kept_fractions,
 )
 from comera_compile.kernels.linear_cross_entropy_paths import LogitBounds
-from comera_compile.kernels.linear_cross_entropy_plan import DeviceRates, adaptive_plan, default_filter_eps
+from comera_compile.kernels.linear_cross_entropy_plan import adaptive_plan, default_filter_eps
 
-N, D, V = 64, 48, 256
-SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
-SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
-                   bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
-                   fused_block_m=16, fused_block_n=32)
+from cce_small import D, N, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
+
 EPS32 = default_filter_eps(torch.float32)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_observations():
-    reset_kept_fractions()
-    yield
-    reset_kept_fractions()
-
-
-@pytest.fixture
-def forward_sparse(monkeypatch):
-    """strategy="auto" plans "chunked" for this head (the Llama-3 head's pricing, scaled), and its
-    first call probes sparse rounds in the forward: the path that takes the bounds."""
-    cpu = lce.rates_for(False)
-    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
-    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
-    with cce_tuning(**SMALL_TILES):
-        yield
+forward_sparse = scaled_rates  # strategy="auto" plans "chunked" for this head; its first call probes
+#                                sparse rounds in the forward: the path that takes the bounds
 
 
 def _peaked(seed=0):

@@ -21,7 +21,6 @@ from comera_compile.kernels.linear_cross_entropy import (
 from comera_compile.kernels.linear_cross_entropy_plan import (
     H200,
     KEPT_EMA,
-    DeviceRates,
     ShapeClass,
     default_filter_eps,
     estimate_seconds,
@@ -30,34 +29,11 @@ from comera_compile.kernels.linear_cross_entropy_plan import (
     runtime_strategy,
 )
 
+from cce_small import D, N, SCALED, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
+
 LLAMA = (8192, 4096, 128256)  # the Llama-3 8B head of the issue
 BF16 = torch.bfloat16
-N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
-# Rates under which this small head prices like the Llama-3 head on the H200 (FLOP-bound, no fixed
-# costs): flat logits pick "chunked", a kept fraction below ~0.22 picks "sparse".
-SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
-SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
-                   bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
-                   fused_block_m=16, fused_block_n=32)
 TOL = 1e-5  # the tolerance of the fused loss's fp32 tests; the filter drops entries below 2**-28 here
-
-
-@pytest.fixture(autouse=True)
-def _fresh_observations():
-    reset_kept_fractions()
-    yield
-    reset_kept_fractions()
-
-
-@pytest.fixture
-def scaled_rates(monkeypatch):
-    """The op (public function and run-time choice) prices its Triton paths at SCALED; small tiles,
-    so that this head has 4 x 16 gradient tiles."""
-    cpu = lce.rates_for(False)
-    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
-    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
-    with cce_tuning(**SMALL_TILES) as tuning:
-        yield tuning
 
 
 def _flat(seed=0):

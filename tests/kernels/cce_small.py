@@ -1,0 +1,34 @@
+"""Shared by the fused loss's run-time-choice tests: a small head (64 x 48 x 256) priced like the
+Llama-3 head on the H200, with small tiles, and a fresh kept-fraction store per test."""
+
+import pytest
+
+import comera_compile.kernels.linear_cross_entropy as lce
+from comera_compile.kernels.linear_cross_entropy import cce_tuning, reset_kept_fractions
+from comera_compile.kernels.linear_cross_entropy_plan import DeviceRates
+
+N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
+# Rates under which this small head prices like the Llama-3 head on the H200 (FLOP-bound, no fixed
+# costs): flat logits pick "chunked", a kept fraction below ~0.22 picks "sparse".
+SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
+SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
+                   bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
+                   fused_block_m=16, fused_block_n=32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_observations():
+    reset_kept_fractions()
+    yield
+    reset_kept_fractions()
+
+
+@pytest.fixture
+def scaled_rates(monkeypatch):
+    """The op (public function and run-time choice) prices its Triton paths at SCALED; small tiles,
+    so that this head has 4 x 16 gradient tiles."""
+    cpu = lce.rates_for(False)
+    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    with cce_tuning(**SMALL_TILES) as tuning:
+        yield tuning
