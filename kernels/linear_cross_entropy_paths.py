@@ -178,7 +178,7 @@ class LogitBounds:
         V = maybe.shape[1]
         nvb = _cdiv(V, BN)
         cols = torch.nn.functional.pad(maybe, (0, nvb * BN - V)).view(-1, nvb, BN).amax(2)
-        if self.rows == BM and cols.shape[0] == _cdiv(N, BM):
+        if self.rows == BM:
             return cols.contiguous()
         per_row = cols.index_select(0, torch.arange(N, device=cols.device) // self.rows)
         num_tb = _cdiv(N, BM)

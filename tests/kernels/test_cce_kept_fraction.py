@@ -281,10 +281,8 @@ def test_no_probe_and_no_sync_where_sparse_may_not_run(scaled_rates, monkeypatch
         assert _rel(got, exp) < TOL
 
 
-@pytest.mark.parametrize("pinned", [None, "chunked"])
-def test_the_cce_pass_plans_an_adaptive_call_unless_pinned(pinned):
-    """The cce pass fixes the op's plan at compile time; an unpinned plan (cce_strategy "auto") is
-    marked adaptive, so the op re-decides when it runs; a pinned one is not."""
+def _pass_plan(pinned):
+    """The options the cce pass gives the op for a small head (``cce_strategy`` pinned or not)."""
     import comera_compile as cc
 
     head = torch.nn.Linear(12, 37, bias=False)
@@ -292,7 +290,14 @@ def test_the_cce_pass_plans_an_adaptive_call_unless_pinned(pinned):
     options = {"inner": "eager", "cce_min_vocab": 0, **({"cce_strategy": pinned} if pinned else {})}
     report = cc.explain(lambda x, y: F.cross_entropy(head(x), y), x, y, options=options)
     (op,) = [n for n in report.graphs[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
-    planned = lce.LCEOptions.from_op_args(op.args[4:])
+    return lce.LCEOptions.from_op_args(op.args[4:])
+
+
+@pytest.mark.parametrize("pinned", [None, "chunked"])
+def test_the_cce_pass_plans_an_adaptive_call_unless_pinned(pinned):
+    """The cce pass fixes the op's plan at compile time; an unpinned plan (cce_strategy "auto") is
+    marked adaptive, so the op re-decides when it runs; a pinned one is not."""
+    planned = _pass_plan(pinned)
     assert planned.adaptive == (pinned is None) and planned.need_dw
 
 
@@ -302,17 +307,11 @@ def test_the_cce_pass_plans_an_automatic_sparse_choice_as_chunked(monkeypatch, p
     the sparse rounds in its forward, with the forward's logit bounds); a pinned "sparse" stays."""
     import dataclasses
 
-    import comera_compile as cc
     import comera_compile.passes.cce as cce_pass
 
     real = cce_pass.decide_fused_loss
     monkeypatch.setattr(cce_pass, "decide_fused_loss",
                         lambda *a, **k: dataclasses.replace(real(*a, **k), strategy="sparse"))
-    head = torch.nn.Linear(12, 37, bias=False)
-    x, y = torch.randn(8, 12), torch.randint(0, 37, (8,))
-    options = {"inner": "eager", "cce_min_vocab": 0, **({"cce_strategy": pinned} if pinned else {})}
-    report = cc.explain(lambda x, y: F.cross_entropy(head(x), y), x, y, options=options)
-    (op,) = [n for n in report.graphs[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
-    planned = lce.LCEOptions.from_op_args(op.args[4:])
+    planned = _pass_plan(pinned)
     assert planned.strategy == ("chunked" if pinned is None else "sparse")
     assert planned.adaptive == (pinned is None)
