@@ -5,7 +5,8 @@ torch.compile of that, cut-cross-entropy (PyPI ``cut-cross-entropy``), Liger's f
 cross-entropy (PyPI ``liger-kernel``, called as ``loss_fn(weight, input, target)``) and every path
 of ours (``comera::linear_cross_entropy``): the default (``auto``, the cost model's choice; a
 sparse choice runs its rounds in the forward, which skip the tiles the forward's logit bounds rule
-out), ``auto-nobounds`` (the same with ``CCETuning.forward_bounds=False``: a sparse choice's rounds
+out; the forward computes the bounds while the fraction they were seen to rule out is at least
+``CCETuning.bounds_min_skip``), ``auto-nobounds`` (the same with ``CCETuning.forward_bounds=False``: a sparse choice's rounds
 in the backward, every tile recomputed), ``sparse`` (filtered, pinned: rounds in the backward), ``static`` (exact recompute), ``chunked`` (exact, gradient in the forward)
 at two memory budgets, ``fused`` (small D only), and the default and ``static`` replayed as a CUDA
 graph (inside capture the default never takes the sparse path).
@@ -273,8 +274,11 @@ def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False, warmu
         seen = [v for k, v in kept_fractions().items()
                 if (k.vocab, k.hidden, k.dtype) == (w.shape[0], w.shape[1], w.dtype)]
         res["kept_fraction"] = round(seen[0].fraction, 4) if seen else None
+        skipped = seen[0].skipped if seen else None
+        res["skipped_fraction"] = round(skipped, 4) if skipped is not None else None
         print(f"  {name} chose {res['auto_chose']} ({' '.join(res.get('paths', []))}); observed kept fraction "
-              f"{res['kept_fraction'] if seen else 'none (flat assumption)'}", flush=True)
+              f"{res['kept_fraction'] if seen else 'none (flat assumption)'}, ruled out by the bounds "
+              f"{res['skipped_fraction']}", flush=True)
     del out
     gc.collect()
     if device == "cuda" and not graph:

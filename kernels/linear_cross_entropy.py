@@ -62,6 +62,7 @@ from .linear_cross_entropy_plan import (
     default_filter_eps,
     default_memory_budget,
     describe_logits,
+    forward_bounds_pay,
     fused_loss_pays,
     kept_fractions,
     logits_bytes,
@@ -299,8 +300,8 @@ def _lce_op(
     forms = o.forms_grads(x.shape[1], bias is not None)
     if any(forms) and triton and _forward_path(o, x, weight, budget) == "sparse":
         # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles,
-        # which also bound the logits: the rounds skip the tiles the filter would drop
-        bounded = current_tuning().forward_bounds
+        # which also bound the logits (while they pay): the rounds skip the tiles the filter would drop
+        bounded = forward_bounds_pay(V, x.shape[1], x.dtype, o.filter_eps)
         lse, tz, nll, bounds = _triton_loss_terms(x, weight, target, bias, o, valid, bounds=bounded)
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         dx, dw, db = recompute_backward("sparse", x, weight, target, bias, lse, tz, coefs, o.softcap,

@@ -596,9 +596,11 @@ def _sparse(bw: _Backward, phase: str = "backward", bounds: Optional[LogitBounds
     tiles, nvb, BN, covered = sp.num_tb * sp.nvb, sp.nvb, sp.BN, sp.num_tb * vb_start
     del sp  # free the tile buffer before the static chunks
     chunks = _static(bw, vb_start * BN, continuing=rounds > 0) if vb_start < nvb else 0
-    observe_kept_fraction(bw.V, bw.D, bw.x.dtype, bw.filter_eps, kept_total, covered)
-    record(CCEStats(phase=phase, path="sparse", chunks=chunks, sparse_rounds=rounds,
-                    tiles=tiles, kept_tiles=kept_total, sparse_blocks=vb_start, skipped_tiles=ruled_total))
+    observe_kept_fraction(bw.V, bw.D, bw.x.dtype, bw.filter_eps, kept_total, covered,
+                          skipped_tiles=ruled_total if bounds is not None else None)
+    record(CCEStats(phase=phase, path="sparse", chunks=chunks, sparse_rounds=rounds, tiles=tiles,
+                    kept_tiles=kept_total, sparse_blocks=vb_start, skipped_tiles=ruled_total,
+                    bounded=bounds is not None))
 
 
 def _static(bw: _Backward, p0: int = 0, continuing: bool = False) -> int:

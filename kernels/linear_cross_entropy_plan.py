@@ -14,7 +14,8 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
   rounds may instead run in the forward, for a "chunked" plan chosen by "auto"; there the forward's
   logits tiles bound each column's logits, and the rounds skip (never recompute) the tiles whose
   bound is below the filter (``LogitBounds``; :func:`adaptive_plan` plans an automatic "sparse"
-  choice that way where chunked may run).
+  choice that way where chunked may run). The bounds cost the forward some time; it computes them
+  while the observed fraction of tiles they rule out pays for it (:func:`forward_bounds_pay`).
 * ``"static"``: the backward recomputes the gradient of whole vocabulary chunks and reduces them
   with library GEMMs; a schedule fixed by the shapes (capture-safe), exact.
 * ``"fused"``: the backward recomputes the tiles inside kernels that own their output rows (dX by
@@ -67,7 +68,7 @@ __all__ = [
     "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
     "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision",
     "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "adaptive_plan", "cce_tuning", "choose_strategy",
-    "chunk_plan",
+    "chunk_plan", "forward_bounds_pay",
     "current_tuning", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
     "estimate_seconds", "format_bytes", "fused_loss_pays", "kept_fractions", "logits_bytes",
     "observe_kept_fraction", "observed_kept_fraction", "rates_for", "record", "record_cce_stats",
@@ -153,6 +154,12 @@ class CCETuning:
     # whose logits the forward's tiles bound below the filter (``LogitBounds``). False: every tile
     # is recomputed, as the sparse rounds of a backward do.
     forward_bounds: bool = True
+    # The bounds cost the forward a column maximum per tile: on the H200 ~1 ms at the Llama-3 head
+    # and ~5 ms at the Gemma-2 head (softcapped, 2x the tiles) when they rule out nothing, against a
+    # recompute pass of ~15 and ~17 ms. So the forward computes them only while the observed fraction
+    # of tiles they rule out (``KeptFraction.skipped``) is at least this; with none observed, and
+    # after ``probe_every`` calls without them, it computes them (a probe).
+    bounds_min_skip: float = 0.3
 
     def fit(self, dtype: torch.dtype, on_gpu: bool, hidden: int) -> "CCETuning":
         """Tiles for this dtype and hidden size.
@@ -193,7 +200,8 @@ class CCEStats:
     (static, and the dense tail of sparse). ``tiles``/``kept_tiles``: gradient tiles in all and
     kept by the sparse rounds; ``sparse_blocks``: vocabulary blocks the sparse rounds covered;
     ``skipped_tiles``: tiles of those blocks that the sparse rounds did not recompute, because the
-    forward's logit bounds showed the filter drops them (sparse rounds in the forward only).
+    forward's logit bounds showed the filter drops them (sparse rounds in the forward only);
+    ``bounded``: the rounds had the forward's bounds (else ``skipped_tiles`` is 0 by construction).
     """
 
     phase: str
@@ -204,6 +212,7 @@ class CCEStats:
     kept_tiles: int = 0
     sparse_blocks: int = 0
     skipped_tiles: int = 0
+    bounded: bool = False
 
 
 _LOCK = threading.Lock()
@@ -291,15 +300,19 @@ class KeptFraction:
     estimate (an exponential moving average over calls, see :data:`KEPT_EMA`) of the gradient tiles
     its filter kept over the vocabulary blocks its rounds covered (the densest blocks come first, so
     rounds that stop early overstate it: the safe side); ``last``, the latest observation;
-    ``observations``, how many were folded in."""
+    ``observations``, how many were folded in; ``skipped``, the same kind of estimate of the
+    fraction of those tiles that the forward's logit bounds ruled out, from the rounds that had the
+    bounds (None before any: see ``CCETuning.bounds_min_skip``)."""
 
     fraction: float
     last: float
     observations: int
+    skipped: Optional[float] = None
 
 
 _KEPT: dict[ShapeClass, KeptFraction] = {}
 _CALLS: dict[ShapeClass, int] = {}  # calls planned by "auto" since the last observation
+_UNBOUNDED: dict[ShapeClass, int] = {}  # forward rounds without the bounds since the last with them
 
 
 def _shape_class(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> ShapeClass:
@@ -307,9 +320,10 @@ def _shape_class(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float)
 
 
 def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float,
-                          kept_tiles: int, tiles: int) -> None:
-    """Fold one sparse backward's count into the estimate of its shape class: ``kept_tiles`` of the
-    ``tiles`` of the vocabulary blocks its rounds covered (the sparse path calls it; no-op for 0)."""
+                          kept_tiles: int, tiles: int, skipped_tiles: Optional[int] = None) -> None:
+    """Fold one sparse pass's count into the estimate of its shape class: ``kept_tiles`` of the
+    ``tiles`` of the vocabulary blocks its rounds covered, and where the rounds had the forward's
+    logit bounds, ``skipped_tiles`` of them ruled out (the sparse path calls it; no-op for 0)."""
     if tiles <= 0:
         return
     key = _shape_class(vocab, hidden, dtype, filter_eps)
@@ -318,7 +332,39 @@ def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_ep
         old = _KEPT.get(key)
         weight = 1.0 - (1.0 - KEPT_EMA) ** max(1, _CALLS.pop(key, 0))
         fraction = seen if old is None else (1.0 - weight) * old.fraction + weight * seen
-        _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1)
+        skipped = old.skipped if old is not None else None
+        if skipped_tiles is not None:
+            ruled = min(1.0, max(0.0, skipped_tiles / tiles))
+            w = 1.0 - (1.0 - KEPT_EMA) ** max(1, _UNBOUNDED.pop(key, 0))
+            skipped = ruled if skipped is None else (1.0 - w) * skipped + w * ruled
+        _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1, skipped)
+
+
+def forward_bounds_pay(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> bool:
+    """Whether sparse rounds about to run in a forward should have that forward compute its logit
+    bounds: ``CCETuning.forward_bounds`` is on and either no call of this shape class has measured
+    what they rule out, or the running estimate (``KeptFraction.skipped``) is at least
+    ``CCETuning.bounds_min_skip``, or ``probe_every`` calls have passed without them (a probe, to
+    keep the estimate current). Counts the calls it answers False (host-side state only)."""
+    tun = current_tuning()
+    if not tun.forward_bounds:
+        return False
+    key = _shape_class(vocab, hidden, dtype, filter_eps)
+    with _LOCK:
+        seen = _KEPT.get(key)
+        if seen is None or seen.skipped is None or seen.skipped >= tun.bounds_min_skip:
+            return True
+        calls = _UNBOUNDED[key] = _UNBOUNDED.get(key, 0) + 1
+    return calls >= max(1, tun.probe_every)
+
+
+def _usable_skip(seen: Optional[KeptFraction]) -> float:
+    """The skipped fraction the cost model may count for sparse rounds in the forward: the estimate
+    where the bounds would be computed (:func:`forward_bounds_pay`'s rule), else 0."""
+    tun = current_tuning()
+    if seen is None or seen.skipped is None or not tun.forward_bounds or seen.skipped < tun.bounds_min_skip:
+        return 0.0
+    return seen.skipped
 
 
 def observed_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype,
@@ -346,6 +392,7 @@ def reset_kept_fractions() -> None:
     with _LOCK:
         _KEPT.clear()
         _CALLS.clear()
+        _UNBOUNDED.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,15 +538,17 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
                      backward: str = "filtered", memory_budget: Optional[int] = None,
                      filter_eps: Optional[float] = None, rates: "DeviceRates | ReferenceRates" = H200,
                      training: bool = True, upcast: bool = False,
-                     kept_fraction: Optional[float] = None) -> dict[str, float]:
+                     kept_fraction: Optional[float] = None, skipped_fraction: float = 0.0) -> dict[str, float]:
     """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
     unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``). ``upcast``: the
     unfused loss casts half-precision logits to fp32 first (``logits.float()``), which costs
     Inductor fp32 logits traffic on the GPU (counted as two more passes over the half logits; on
     the CPU its kernels compute in fp32 either way). ``kept_fraction``: the fraction of gradient
     tiles the sparse path's filter keeps (e.g. :func:`observed_kept_fraction`); None assumes a
-    flat softmax (N(0, 1) logits, an untrained head: the most tiles kept). The torch reference
-    (``ReferenceRates``) has no sparse path and ignores it."""
+    flat softmax (N(0, 1) logits, an untrained head: the most tiles kept). ``skipped_fraction``:
+    the fraction of tiles the forward's logit bounds rule out, which sparse rounds run in the
+    forward do not recompute (0: every tile is recomputed, as in a backward). The torch reference
+    (``ReferenceRates``) has no sparse path and ignores both."""
     N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
     budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
     if isinstance(rates, ReferenceRates):
@@ -541,7 +590,8 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
         else:
             tiles = kept * (N * V / _TILE)
             rounds = max(1, math.ceil(tiles * _TILE * elem / min(tun.tile_budget_bytes, budget)))
-            out["sparse"] = (2 * tile_pass + 2 * kept * F / rates.tile_flops + 3 * V * D * elem / bw
+            skipped = min(1.0 - kept, max(0.0, float(skipped_fraction)))
+            out["sparse"] = ((2 - skipped) * tile_pass + 2 * kept * F / rates.tile_flops + 3 * V * D * elem / bw
                              + rounds * (rates.sync_s + 8 * launch) + 10 * launch)
     return out
 
@@ -613,7 +663,9 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     recomputes). It is the cheaper one by :func:`estimate_seconds` at the kept fraction observed
     for this shape class; with no observation yet, or when ``CCETuning.probe_every`` calls have
     passed without one, "sparse" (a probe: only the sparse path measures the fraction). Reads and
-    counts host-side Python state only (no device value).
+    counts host-side Python state only (no device value). Rounds in the forward are priced with
+    the tiles the forward's bounds are expected to rule out (``KeptFraction.skipped``, where
+    :func:`forward_bounds_pay` would compute them).
     """
     other = "chunked" if planned == "chunked" else "static"
     key = _shape_class(vocab, hidden, dtype, filter_eps)
@@ -623,7 +675,8 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     if seen is None or calls >= max(1, current_tuning().probe_every):
         return "sparse"
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, memory_budget=memory_budget,
-                             filter_eps=filter_eps, rates=rates, kept_fraction=seen.fraction)
+                             filter_eps=filter_eps, rates=rates, kept_fraction=seen.fraction,
+                             skipped_fraction=_usable_skip(seen) if other == "chunked" else 0.0)
     return "sparse" if costs["sparse"] < costs[other] else other
 
 

@@ -169,3 +169,84 @@ def test_with_the_bounds_off_an_automatic_sparse_choice_stays_in_the_backward(fo
     assert [(s.phase, s.path) for s in stats] == [("forward", "triton"), ("backward", "sparse")]
     for a, ref, name in zip(got, _ref64(x, w, t), ("loss", "dx", "dw")):
         assert float((a.double() - ref).norm() / ref.norm()) < 1e-5, name
+
+
+# --- when the bounds pay: the observed fraction of tiles they rule out --------------------------------
+
+def test_the_bounds_are_computed_while_what_they_rule_out_pays():
+    """No observation: computed (a probe). Observed to rule out little: not computed, until
+    probe_every calls have passed (a probe again); observed to rule out much: computed. The
+    estimate is a running average weighted like the kept fraction's."""
+    from comera_compile.kernels.linear_cross_entropy_plan import (
+        KEPT_EMA, ShapeClass, forward_bounds_pay, kept_fractions, observe_kept_fraction)
+
+    key = (V, D, torch.float32, EPS32)
+    with cce_tuning(probe_every=3, bounds_min_skip=0.3):
+        assert forward_bounds_pay(*key)
+        observe_kept_fraction(*key, 2, 64)  # rounds without the bounds: nothing about them learnt
+        assert forward_bounds_pay(*key) and kept_fractions()[ShapeClass(*key)].skipped is None
+        observe_kept_fraction(*key, 2, 64, skipped_tiles=1)  # they ruled out 1 tile in 64
+        assert [forward_bounds_pay(*key) for _ in range(3)] == [False, False, True]
+        observe_kept_fraction(*key, 2, 64, skipped_tiles=60)  # the probe, after 3 calls without them
+        w = 1 - (1 - KEPT_EMA) ** 3
+        assert kept_fractions()[ShapeClass(*key)].skipped == pytest.approx((1 - w) / 64 + w * 60 / 64)
+        assert all(forward_bounds_pay(*key) for _ in range(5))
+        with cce_tuning(forward_bounds=False):
+            assert not forward_bounds_pay(*key)
+    # other shape classes are their own
+    assert forward_bounds_pay(V, D, torch.bfloat16, EPS32)
+
+
+def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
+    """Rounds in the forward skip the ruled-out tiles' recompute: at a kept fraction where sparse
+    rounds lose to chunked, an observed skipped fraction that pays makes them win; one below
+    ``bounds_min_skip`` (bounds not computed) does not count."""
+    from comera_compile.kernels.linear_cross_entropy_plan import estimate_seconds, observe_kept_fraction, runtime_strategy
+
+    from cce_small import SCALED
+
+    args = (N, D, V, torch.float32)
+    base = estimate_seconds(*args, rates=SCALED, kept_fraction=0.25)
+    half = estimate_seconds(*args, rates=SCALED, kept_fraction=0.25, skipped_fraction=0.5)
+    assert base["sparse"] > base["chunked"] and half["sparse"] < base["sparse"]
+    assert {k: v for k, v in half.items() if k != "sparse"} == {k: v for k, v in base.items() if k != "sparse"}
+    kw = dict(filter_eps=EPS32, rates=SCALED)
+    with cce_tuning(probe_every=100, bounds_min_skip=0.3):
+        observe_kept_fraction(V, D, torch.float32, EPS32, 16, 64, skipped_tiles=45)  # 0.25 kept, 0.70 ruled out
+        assert runtime_strategy("chunked", *args, **kw) == "sparse"
+        import comera_compile.kernels.linear_cross_entropy_plan as plan
+
+        seen = []
+        real = plan.estimate_seconds
+        monkeypatch.setattr(plan, "estimate_seconds", lambda *a, **k: seen.append(k["skipped_fraction"]) or real(*a, **k))
+        runtime_strategy("chunked", *args, **kw)
+        runtime_strategy("static", *args, **kw)  # rounds in a backward recompute every tile
+        assert seen == [pytest.approx(45 / 64), 0.0]
+        monkeypatch.undo()
+        reset_kept_fractions()
+        observe_kept_fraction(V, D, torch.float32, EPS32, 16, 64, skipped_tiles=12)  # 0.19 < 0.3: not computed
+        assert runtime_strategy("chunked", *args, **kw) == "chunked"
+
+
+def test_rounds_in_the_forward_drop_the_bounds_where_they_rule_out_little(forward_sparse):
+    """After an observation that the bounds rule out little, the forward's rounds run without them
+    (the same kept tiles and bitwise the same gradients); a probe brings them back."""
+    from comera_compile.kernels.linear_cross_entropy_plan import observe_kept_fraction
+
+    x, w, t = _peaked()
+    with cce_tuning(probe_every=2):
+        observe_kept_fraction(V, D, torch.float32, EPS32, 8, 64, skipped_tiles=0)
+        without, stats = _train_step(x, w, t)
+        assert [(s.phase, s.path, s.bounded) for s in stats] == [("forward", "triton", False),
+                                                                 ("forward", "sparse", False)]
+        assert stats[1].skipped_tiles == 0
+        probe, stats_probe = _train_step(x, w, t)  # the 2nd call without them: a probe
+        assert [(s.path, s.bounded) for s in stats_probe] == [("triton", False), ("sparse", True)]
+        assert stats_probe[1].skipped_tiles > 0.5 * stats_probe[1].tiles
+        assert stats_probe[1].kept_tiles == stats[1].kept_tiles
+        _, stats_after = _train_step(x, w, t)  # the peaked head's bounds pay: kept on
+        assert stats_after[1].bounded
+    for a, b, name in zip(without, probe, ("loss", "dx", "dw")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    for got, ref, name in zip(without, _ref64(x, w, t), ("loss", "dx", "dw")):
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-5, name
