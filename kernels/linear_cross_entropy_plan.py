@@ -68,9 +68,9 @@ __all__ = [
     "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
     "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision",
     "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "adaptive_plan", "cce_tuning", "choose_strategy",
-    "chunk_plan", "forward_bounds_pay",
+    "chunk_plan",
     "current_tuning", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
-    "estimate_seconds", "format_bytes", "fused_loss_pays", "kept_fractions", "logits_bytes",
+    "estimate_seconds", "format_bytes", "forward_bounds_pay", "fused_loss_pays", "kept_fractions", "logits_bytes",
     "observe_kept_fraction", "observed_kept_fraction", "rates_for", "record", "record_cce_stats",
     "reset_kept_fractions", "runtime_strategy",
 ]
@@ -340,6 +340,12 @@ def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_ep
         _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1, skipped)
 
 
+def _seen_to_pay(seen: Optional[KeptFraction], tun: CCETuning) -> bool:
+    """The bounds are on and the running estimate of what they rule out reaches ``bounds_min_skip``."""
+    return (tun.forward_bounds and seen is not None and seen.skipped is not None
+            and seen.skipped >= tun.bounds_min_skip)
+
+
 def forward_bounds_pay(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> bool:
     """Whether sparse rounds about to run in a forward should have that forward compute its logit
     bounds: ``CCETuning.forward_bounds`` is on and either no call of this shape class has measured
@@ -352,19 +358,10 @@ def forward_bounds_pay(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: 
     key = _shape_class(vocab, hidden, dtype, filter_eps)
     with _LOCK:
         seen = _KEPT.get(key)
-        if seen is None or seen.skipped is None or seen.skipped >= tun.bounds_min_skip:
+        if seen is None or seen.skipped is None or _seen_to_pay(seen, tun):
             return True
         calls = _UNBOUNDED[key] = _UNBOUNDED.get(key, 0) + 1
     return calls >= max(1, tun.probe_every)
-
-
-def _usable_skip(seen: Optional[KeptFraction]) -> float:
-    """The skipped fraction the cost model may count for sparse rounds in the forward: the estimate
-    where the bounds would be computed (:func:`forward_bounds_pay`'s rule), else 0."""
-    tun = current_tuning()
-    if seen is None or seen.skipped is None or not tun.forward_bounds or seen.skipped < tun.bounds_min_skip:
-        return 0.0
-    return seen.skipped
 
 
 def observed_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype,
@@ -676,7 +673,8 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
         return "sparse"
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, memory_budget=memory_budget,
                              filter_eps=filter_eps, rates=rates, kept_fraction=seen.fraction,
-                             skipped_fraction=_usable_skip(seen) if other == "chunked" else 0.0)
+                             skipped_fraction=seen.skipped if other == "chunked" and _seen_to_pay(
+                                 seen, current_tuning()) else 0.0)
     return "sparse" if costs["sparse"] < costs[other] else other
 
 

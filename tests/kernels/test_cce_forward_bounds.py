@@ -201,7 +201,8 @@ def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
     """Rounds in the forward skip the ruled-out tiles' recompute: at a kept fraction where sparse
     rounds lose to chunked, an observed skipped fraction that pays makes them win; one below
     ``bounds_min_skip`` (bounds not computed) does not count."""
-    from comera_compile.kernels.linear_cross_entropy_plan import estimate_seconds, observe_kept_fraction, runtime_strategy
+    from comera_compile.kernels.linear_cross_entropy_plan import (
+        estimate_seconds, observe_kept_fraction, runtime_strategy)
 
     from cce_small import SCALED
 
@@ -218,7 +219,8 @@ def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
 
         seen = []
         real = plan.estimate_seconds
-        monkeypatch.setattr(plan, "estimate_seconds", lambda *a, **k: seen.append(k["skipped_fraction"]) or real(*a, **k))
+        monkeypatch.setattr(plan, "estimate_seconds",
+                            lambda *a, **k: seen.append(k["skipped_fraction"]) or real(*a, **k))
         runtime_strategy("chunked", *args, **kw)
         runtime_strategy("static", *args, **kw)  # rounds in a backward recompute every tile
         assert seen == [pytest.approx(45 / 64), 0.0]
