@@ -24,7 +24,11 @@ compile time is that step minus a steady step (the fastest of three that follow)
 * ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
-Reported per variant: cold and warm compile seconds, the ratio to ``dense-inductor``'s cold time, the
+With ``--repeat N`` each repeat measures every variant once, one after the other, so that a drift of
+the machine's speed between runs (dense Inductor's own cold compile of one graph moved 17-26 s across
+GPU leases) falls on both sides of a ratio. Reported per variant: cold and warm compile seconds
+(medians), the ratio to ``dense-inductor``'s cold time (the median over repeats of the ratio within
+a repeat), the
 backend's own time (our passes, from the ``comera_compile`` logger's records), Dynamo's phase times
 (``torch._dynamo.utils.compile_times``: tracing, AOTAutograd, Inductor forward and backward), and the
 cache counters of the warm run (FX graph cache and AOTAutograd cache hits, misses and bypasses, with
@@ -299,22 +303,41 @@ def measure(model: str, variant: str, args, cache_dir: str, cprofile: bool = Fal
 
 
 def run_all(args) -> list[dict]:
+    """Every variant of a model once per repeat, in turn (dense, tt, dense, tt, ...): the machine's
+    speed drifts between runs (dense Inductor's own cold compile of one graph moved 17-26 s across
+    leases), so the ratio is taken between the runs of one repeat, then the median. With ``--json``
+    the results so far are written after each measurement (a job cut by a time limit keeps them)."""
     root = Path(tempfile.mkdtemp(prefix="bench_compile_"))
     results = []
     for model in args.models:
-        for variant in args.variants:
-            cold, warm = [], []
-            for r in range(args.repeat):
-                cache = str(root / f"{model}-{variant}-{r}")
-                cold.append(measure(model, variant, args, cache))
+        entries = [{"model": model, "variant": variant, "cold": [], "warm": []} for variant in args.variants]
+        results.extend(entries)
+        for r in range(args.repeat):
+            for entry in entries:
+                cache = str(root / f"{model}-{entry['variant']}-{r}")
+                entry["cold"].append(measure(model, entry["variant"], args, cache))
                 if args.warm:
-                    warm.append(measure(model, variant, args, cache))
-            entry = {"model": model, "variant": variant, "cold": cold, "warm": warm}
-            if args.profile and variant.split("-")[1] == "comera":
-                entry["profiled"] = measure(model, variant, args, str(root / f"{model}-{variant}-prof"), cprofile=True)
-            results.append(entry)
+                    entry["warm"].append(measure(model, entry["variant"], args, cache))
+                _save(args, results)
+        for entry in entries:
+            if args.profile and entry["variant"].split("-")[1] == "comera":
+                folder = str(root / f"{model}-{entry['variant']}-prof")
+                entry["profiled"] = measure(model, entry["variant"], args, folder, cprofile=True)
+                _save(args, results)
             print(_row(entry, results), flush=True)
     return results
+
+
+def _save(args, results: list[dict]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _paired_ratio(entry: dict, ref: dict) -> float:
+    """Median over repeats of this entry's cold compile over the reference's in the same repeat."""
+    ratios = [a["compile_s"] / b["compile_s"] for a, b in zip(entry["cold"], ref["cold"])
+              if "compile_s" in a and "compile_s" in b and b["compile_s"] > 0]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -330,7 +353,7 @@ def _passes_s(runs: list[dict]) -> float:
 def _row(entry: dict, results: list[dict]) -> str:
     ref = next((e for e in results if e["model"] == entry["model"] and e["variant"] == "dense-inductor"), None)
     cold = _median(entry["cold"], "compile_s")
-    base = _median(ref["cold"], "compile_s") if ref else float("nan")
+    ratio = _paired_ratio(entry, ref) if ref else float("nan")
     warm = _median(entry["warm"], "compile_s") if entry["warm"] else float("nan")
     errors = [r["error"] for r in entry["cold"] + entry["warm"] if "error" in r]
     if errors:
@@ -342,7 +365,7 @@ def _row(entry: dict, results: list[dict]) -> str:
              f"{hits.get('fxgraph_cache_bypass', 0)} aot {hits.get('autograd_cache_hit', 0)}/"
              f"{hits.get('autograd_cache_miss', 0)}/{hits.get('autograd_cache_bypass', 0)}") if hits else "-"
     nodes = sum(t.get("nodes", 0) for t in last["backend"]) or "-"
-    return (f"{entry['model']:<8} {entry['variant']:<15} {cold:8.1f} {cold / base:6.2f} {warm:8.1f} "
+    return (f"{entry['model']:<8} {entry['variant']:<15} {cold:8.1f} {ratio:6.2f} {warm:8.1f} "
             f"{_passes_s(entry['cold']):8.2f} {nodes!s:>6} "
             + " ".join(f"{phases.get(label, float('nan')):7.1f}" for label in PHASES.values())
             + f"  {cache}")
@@ -377,7 +400,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     ap.add_argument("--size", choices=["small", "full"], default="small")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--repeat", type=int, default=1, help="cold measurements per variant (median)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="cold measurements per variant, the variants in turn (median; ratio: median of paired ratios)")
     ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip the warm measurement")
     ap.add_argument("--profile", action="store_true", help="one more cold run of each comera variant under cProfile")
     ap.add_argument("--json", type=Path, default=None)
@@ -399,13 +423,13 @@ def main(argv=None) -> list[dict]:
     import torch
 
     print(f"{args.device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, size {args.size}; compile s = "
-          "first training step - steady step; ratio: cold against dense-inductor's cold; passes: the comera "
+          "first training step - steady step; cold s: median; ratio: median over repeats of cold against "
+          "dense-inductor's cold of the same repeat (variants run in turn); passes: the comera "
           "backend's passes (cold); phases from torch._dynamo.utils.compile_times (cold)", flush=True)
     print(HEADER, flush=True)
     results = run_all(args)
     report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    _save(args, results)
     return results
 
 
