@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements still open in BENCHMARKS.md, in one background job on one H200 (about 12 minutes):
+# The GPU measurements still open in BENCHMARKS.md, in one background job on one H200 (about 20 minutes):
 #   1. the fused loss's GPU tests (bf16 against float64) and the tensorized layers', on the code that
 #      computes the forward's logit bounds only while they pay;
 #   2. the fused loss against its peers (bench_cce), `auto` beside `auto-nobounds`, the exact chunked
 #      path at both budgets;
-#   3. compile time, cold and warm, three cold runs each, comera's defaults against Inductor on both
-#      models (the ratio's spread between runs was +-0.3).
+#   3. compile time, cold and warm, three cold runs each, the variants in turn, comera's defaults
+#      against Inductor on both models (the ratio's spread between runs was +-0.3).
 #   bash benchmarks/gpu_followups.sh [OUT_DIR]
 # Run it from a copy of the tree (cp -r . /tmp/snap), with setsid. Poll with calls that each wait several
 # minutes (sleep, then read $out/progress.txt), the next call starting at once: an idle machine is given
@@ -25,7 +25,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     --methods torch.compile,cut-cross-entropy,liger,auto,auto-nobounds,chunked > "$out/cce.log" 2>&1
   stamp "cce rc $?"  # the rows also go to $OUT/bench_cce.json
 fi
-timeout 560 python3 benchmarks/bench_compile.py --size full --device cuda --model all --repeat 3 \
-  --variants dense-inductor,tt-comera --json "$out/compile.json" > "$out/compile.log" 2>&1
-stamp "compile rc $?"
+for model in llama encoder; do  # variants in turn within each repeat; JSON written after each measurement
+  timeout 420 python3 benchmarks/bench_compile.py --size full --device cuda --model $model --repeat 3 \
+    --variants dense-inductor,tt-comera --json "$out/compile_$model.json" > "$out/compile_$model.log" 2>&1
+  stamp "compile $model rc $?"
+done
 touch "$out/ALL_DONE"
