@@ -330,14 +330,20 @@ def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_ep
     seen = min(1.0, max(0.0, kept_tiles / tiles))
     with _LOCK:
         old = _KEPT.get(key)
-        weight = 1.0 - (1.0 - KEPT_EMA) ** max(1, _CALLS.pop(key, 0))
-        fraction = seen if old is None else (1.0 - weight) * old.fraction + weight * seen
-        skipped = old.skipped if old is not None else None
+        fraction = _fold(old.fraction if old else None, seen, _CALLS.pop(key, 0))
+        skipped = old.skipped if old else None
         if skipped_tiles is not None:
-            ruled = min(1.0, max(0.0, skipped_tiles / tiles))
-            w = 1.0 - (1.0 - KEPT_EMA) ** max(1, _UNBOUNDED.pop(key, 0))
-            skipped = ruled if skipped is None else (1.0 - w) * skipped + w * ruled
+            skipped = _fold(skipped, min(1.0, max(0.0, skipped_tiles / tiles)), _UNBOUNDED.pop(key, 0))
         _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1, skipped)
+
+
+def _fold(estimate: Optional[float], value: float, silent_calls: int) -> float:
+    """A running estimate with a new observation folded in, weighed 1 - (1 - KEPT_EMA)**n after
+    n calls that observed nothing (at least one); the observation itself when there is none yet."""
+    if estimate is None:
+        return value
+    weight = 1.0 - (1.0 - KEPT_EMA) ** max(1, silent_calls)
+    return (1.0 - weight) * estimate + weight * value
 
 
 def _seen_to_pay(seen: Optional[KeptFraction], tun: CCETuning) -> bool:
@@ -666,15 +672,16 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     """
     other = "chunked" if planned == "chunked" else "static"
     key = _shape_class(vocab, hidden, dtype, filter_eps)
+    tun = current_tuning()
     with _LOCK:
         seen = _KEPT.get(key)
         calls = _CALLS[key] = _CALLS.get(key, 0) + 1
-    if seen is None or calls >= max(1, current_tuning().probe_every):
+    if seen is None or calls >= max(1, tun.probe_every):
         return "sparse"
+    skipped = seen.skipped if other == "chunked" and _seen_to_pay(seen, tun) else 0.0
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, memory_budget=memory_budget,
                              filter_eps=filter_eps, rates=rates, kept_fraction=seen.fraction,
-                             skipped_fraction=seen.skipped if other == "chunked" and _seen_to_pay(
-                                 seen, current_tuning()) else 0.0)
+                             skipped_fraction=skipped)
     return "sparse" if costs["sparse"] < costs[other] else other
 
 
