@@ -32,7 +32,7 @@ a repeat), the
 backend's own time (our passes, from the ``comera_compile`` logger's records), Dynamo's phase times
 (``torch._dynamo.utils.compile_times``: tracing, AOTAutograd, Inductor forward and backward), and the
 cache counters of the warm run (FX graph cache and AOTAutograd cache hits, misses and bypasses, with
-the bypass reasons). ``--profile`` adds one cold run per comera variant under cProfile and prints where
+the bypass reasons). ``--profile`` adds one cold run per variant under cProfile and prints where
 the backend's time goes (pass manager, planner, write analysis, fake-tensor propagation, report
 building), cumulative seconds per entry point. ``--json`` keeps everything.
 
@@ -301,10 +301,47 @@ def measure(model: str, variant: str, args, cache_dir: str, cprofile: bool = Fal
     # Triton's own cache too (our kernels compile through it, at their first call): cold means cold
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TRITON_CACHE_DIR=str(Path(cache_dir) / "triton-jit"))
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    before = _machine_state()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"model": model, "variant": variant, "error": (proc.stdout + proc.stderr)[-3000:]}
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["machine_before"] = before
+    return result
+
+
+def _machine_state() -> dict:
+    """What else runs on the machine as a measurement starts (leftover compile workers or kernel jobs of
+    the previous process would slow the next one): the load averages, the runnable processes (sampled
+    ten times over a second) and the other Python processes with their command lines."""
+    state: dict = {}
+    try:
+        state["loadavg"] = list(os.getloadavg())
+    except OSError:
+        pass
+    proc = Path("/proc")
+    if not (proc / "stat").exists():
+        return state
+    running = []
+    for _ in range(10):
+        for line in (proc / "stat").read_text().splitlines():
+            if line.startswith("procs_running"):
+                running.append(int(line.split()[1]))
+        time.sleep(0.1)
+    state["procs_running_median"] = statistics.median(running) if running else None
+    mine = {os.getpid(), os.getppid()}
+    others = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if "python" in cmdline:
+            others.append(cmdline[:160])
+    state["other_python"] = others
+    return state
 
 
 def run_all(args) -> list[dict]:
@@ -321,16 +358,27 @@ def run_all(args) -> list[dict]:
             for entry in entries:
                 cache = str(root / f"{model}-{entry['variant']}-{r}")
                 entry["cold"].append(measure(model, entry["variant"], args, cache))
+                _progress(entry["cold"][-1], f"repeat {r} cold")
                 if args.warm:
                     entry["warm"].append(measure(model, entry["variant"], args, cache))
                 _save(args, results)
         for entry in entries:
-            if args.profile and entry["variant"].split("-")[1] == "comera":
+            if args.profile:
                 folder = str(root / f"{model}-{entry['variant']}-prof")
                 entry["profiled"] = measure(model, entry["variant"], args, folder, cprofile=True)
                 _save(args, results)
             print(_row(entry, results), flush=True)
     return results
+
+
+def _progress(result: dict, label: str) -> None:
+    """One line per measurement as it ends: its time and what else ran on the machine when it began."""
+    state = result.get("machine_before", {})
+    load = state.get("loadavg", [float("nan")])[0]
+    print(f"# {result['model']} {result['variant']} {label}: "
+          + (f"{result['compile_s']:.1f} s" if "compile_s" in result else "FAILED")
+          + f"; before it: load {load:.1f}, runnable {state.get('procs_running_median')}, "
+          f"{len(state.get('other_python', []))} other Python processes", flush=True)
 
 
 def _save(args, results: list[dict]) -> None:
@@ -408,7 +456,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--repeat", type=int, default=1,
                     help="cold measurements per variant, the variants in turn (median; ratio: median of paired ratios)")
     ap.add_argument("--no-warm", dest="warm", action="store_false", help="skip the warm measurement")
-    ap.add_argument("--profile", action="store_true", help="one more cold run of each comera variant under cProfile")
+    ap.add_argument("--profile", action="store_true", help="one more cold run of each variant under cProfile")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-one", default=None, help=argparse.SUPPRESS)
