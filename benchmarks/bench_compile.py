@@ -12,6 +12,9 @@ its first training step (forward + backward + ``AdamW.step()``, bf16 autocast as
 compile time is that step minus a steady step (the fastest of three that follow). Variants:
 
 * ``dense-inductor``: ``torch.compile(model)``, the reference;
+* ``dense-inductor-cg`` (not in the default list): ``torch.compile(model, mode="reduce-overhead")``,
+  Inductor with CUDA graphs (cudagraph trees), which the comera backend turns on for graphs with
+  tensor-train layers on the GPU: the reference in the same mode;
 * ``dense-comera``: ``backend="comera"`` on the dense model (the cce pass looks at its heads);
 * ``tt-comera``: the model tensorized as bench_e2e.py's ``tt`` variant, ``backend="comera"``;
 * ``tt-comera-opaque`` (not in the default list): the same with ``options={"tt_merges": "opaque"}`` (every
@@ -58,9 +61,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("dense-inductor", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-comera-opaque-noprecompile",
+VARIANTS = ("dense-inductor", "dense-inductor-cg", "dense-comera", "tt-comera", "tt-comera-opaque", "tt-comera-opaque-noprecompile",
             "tt-comera-nocg", "tt-inductor")
-DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
+DEFAULT_VARIANTS = ("dense-inductor", "dense-inductor-cg", "dense-comera", "tt-comera")
 # Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
 PHASES = {
     "bytecode_tracing": "dynamo",
@@ -213,7 +216,9 @@ def run_one(args) -> dict:
         bench_e2e.tensorize(model, args.model, "tt")
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    if args.variant.endswith("inductor"):
+    if args.variant == "dense-inductor-cg":  # Inductor with CUDA graphs, as the backend runs tensor-train graphs
+        fn = torch.compile(model, mode="reduce-overhead")
+    elif args.variant.endswith("inductor"):
         fn = torch.compile(model)
     else:
         import comera_compile  # noqa: F401  (registers the backend in a source checkout)
@@ -421,7 +426,15 @@ def _row(entry: dict, results: list[dict]) -> str:
     return (f"{entry['model']:<8} {entry['variant']:<15} {cold:8.1f} {ratio:6.2f} {warm:8.1f} "
             f"{_passes_s(entry['cold']):8.2f} {nodes!s:>6} "
             + " ".join(f"{phases.get(label, float('nan')):7.1f}" for label in PHASES.values())
-            + f"  {cache}")
+            + f"  {cache}" + _cg_ratio(entry, results))
+
+
+def _cg_ratio(entry: dict, results: list[dict]) -> str:
+    """The ratio to ``dense-inductor-cg`` (Inductor with CUDA graphs), where that variant ran."""
+    ref = next((e for e in results if e["model"] == entry["model"] and e["variant"] == "dense-inductor-cg"), None)
+    if ref is None or ref is entry:
+        return ""
+    return f"  vs dense-inductor-cg {_paired_ratio(entry, ref):.2f}"
 
 
 HEADER = (f"{'model':<8} {'variant':<15} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'passes':>8} {'nodes':>6} "
