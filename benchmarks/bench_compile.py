@@ -315,11 +315,24 @@ def measure(model: str, variant: str, args, cache_dir: str, cprofile: bool = Fal
     return result
 
 
+def _python_loop_s() -> float:
+    """Seconds for a fixed piece of pure-Python work (the fastest of three): compiling is mostly
+    single-threaded Python, so this tracks the speed one core of the machine had as a run began."""
+    def work() -> float:
+        start = time.perf_counter()
+        table: dict = {}
+        for i in range(300_000):
+            table[i % 1000] = table.get(i % 1000, 0) + i
+        return time.perf_counter() - start
+    return min(work() for _ in range(3))
+
+
 def _machine_state() -> dict:
     """What else runs on the machine as a measurement starts (leftover compile workers or kernel jobs of
     the previous process would slow the next one): the load averages, the runnable processes (sampled
-    ten times over a second) and the other Python processes with their command lines."""
-    state: dict = {}
+    ten times over a second), the other Python processes with their command lines, and the speed of
+    one core for pure-Python work (``_python_loop_s``)."""
+    state: dict = {"python_loop_s": _python_loop_s()}
     try:
         state["loadavg"] = list(os.getloadavg())
     except OSError:
@@ -383,7 +396,8 @@ def _progress(result: dict, label: str) -> None:
     print(f"# {result['model']} {result['variant']} {label}: "
           + (f"{result['compile_s']:.1f} s" if "compile_s" in result else "FAILED")
           + f"; before it: load {load:.1f}, runnable {state.get('procs_running_median')}, "
-          f"{len(state.get('other_python', []))} other Python processes", flush=True)
+          f"{len(state.get('other_python', []))} other Python processes, "
+          f"Python loop {1e3 * state.get('python_loop_s', float('nan')):.0f} ms", flush=True)
 
 
 def _save(args, results: list[dict]) -> None:
