@@ -28,11 +28,10 @@ compile time is that step minus a steady step (the fastest of three that follow)
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
 With ``--repeat N`` each repeat measures every variant once, one after the other, so that a drift of
-the machine's speed between runs (dense Inductor's own cold compile of one graph moved 17-26 s across
-GPU leases) falls on both sides of a ratio. Reported per variant: cold and warm compile seconds
-(medians), the ratio to ``dense-inductor``'s cold time (the median over repeats of the ratio within
-a repeat), the
-backend's own time (our passes, from the ``comera_compile`` logger's records), Dynamo's phase times
+the machine's speed between runs (dense Inductor's own cold compile of one graph moved 17-30 s across
+GPU leases, 17.9-29.5 s within one) falls on both sides of a ratio. Reported per variant: cold and
+warm compile seconds (medians), the ratio to ``dense-inductor``'s cold time (the median over repeats
+of the ratio within a repeat; also to ``dense-inductor-cg``'s where it ran), the backend's own time (our passes, from the ``comera_compile`` logger's records), Dynamo's phase times
 (``torch._dynamo.utils.compile_times``: tracing, AOTAutograd, Inductor forward and backward), and the
 cache counters of the warm run (FX graph cache and AOTAutograd cache hits, misses and bypasses, with
 the bypass reasons). ``--profile`` adds one cold run per variant under cProfile and prints where
@@ -364,8 +363,8 @@ def _machine_state() -> dict:
 
 def run_all(args) -> list[dict]:
     """Every variant of a model once per repeat, in turn (dense, tt, dense, tt, ...): the machine's
-    speed drifts between runs (dense Inductor's own cold compile of one graph moved 17-26 s across
-    leases), so the ratio is taken between the runs of one repeat, then the median. With ``--json``
+    speed drifts between runs (dense Inductor's own cold compile of one graph moved 17.9-29.5 s within
+    one lease), so the ratio is taken between the runs of one repeat, then the median. With ``--json``
     the results so far are written after each measurement (a job cut by a time limit keeps them)."""
     root = Path(tempfile.mkdtemp(prefix="bench_compile_"))
     results = []
@@ -422,8 +421,13 @@ def _passes_s(runs: list[dict]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _entry(results: list[dict], model: str, variant: str) -> dict | None:
+    """The results of ``variant`` on ``model``, or None where it did not run."""
+    return next((e for e in results if e["model"] == model and e["variant"] == variant), None)
+
+
 def _row(entry: dict, results: list[dict]) -> str:
-    ref = next((e for e in results if e["model"] == entry["model"] and e["variant"] == "dense-inductor"), None)
+    ref = _entry(results, entry["model"], "dense-inductor")
     cold = _median(entry["cold"], "compile_s")
     ratio = _paired_ratio(entry, ref) if ref else float("nan")
     warm = _median(entry["warm"], "compile_s") if entry["warm"] else float("nan")
@@ -445,7 +449,7 @@ def _row(entry: dict, results: list[dict]) -> str:
 
 def _cg_ratio(entry: dict, results: list[dict]) -> str:
     """The ratio to ``dense-inductor-cg`` (Inductor with CUDA graphs), where that variant ran."""
-    ref = next((e for e in results if e["model"] == entry["model"] and e["variant"] == "dense-inductor-cg"), None)
+    ref = _entry(results, entry["model"], "dense-inductor-cg")
     if ref is None or ref is entry:
         return ""
     return f"  vs dense-inductor-cg {_paired_ratio(entry, ref):.2f}"
