@@ -24,6 +24,10 @@ compile time is that step minus a steady step (the fastest of three that follow)
   fused loss's kernels compile at their first call, in the first step, not in a side process);
 * ``tt-comera-nocg`` (not in the default list): ``tt-comera`` with ``cudagraphs=False`` (the backend turns
   CUDA graphs on for graphs with tensor-train layers on the GPU; how much of the compile that is);
+* ``tt-comera-autotune`` (not in the default list): ``tt-comera`` with
+  ``inductor_config={"triton.autotune_pointwise": True}`` (Inductor's default, which times several
+  configurations of each pointwise kernel at its first call; the backend turns it off for graphs with
+  tensor-train layers);
 * ``tt-inductor`` (not in the default list): the tensorized model under plain Inductor, whose layers
   each form their dense weight: how much of ``tt-comera``'s time is the tensorized graph itself.
 
@@ -61,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = ("dense-inductor", "dense-inductor-cg", "dense-comera", "tt-comera", "tt-comera-opaque",
-            "tt-comera-opaque-noprecompile", "tt-comera-nocg", "tt-inductor")
+            "tt-comera-opaque-noprecompile", "tt-comera-nocg", "tt-comera-autotune", "tt-inductor")
 DEFAULT_VARIANTS = ("dense-inductor", "dense-comera", "tt-comera")
 # Dynamo's phase names (torch._dynamo.utils.compile_times) shown in the table, and their labels.
 PHASES = {
@@ -194,6 +198,42 @@ def _counters() -> dict[str, int]:
     return out
 
 
+class _AutotuneWatch:
+    """Inductor's first-call timing of each Triton kernel's configurations (GPU only): how many kernels,
+    configurations and seconds, by kind (``poi`` pointwise, ``red``/``per`` reductions, ``tem`` templates)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, float]] = []
+        try:
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except ImportError:
+            return
+        original = CachingAutotuner.benchmark_all_configs
+        watch = self
+
+        def timed(tuner, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(tuner, *args, **kwargs)
+            finally:
+                name = getattr(getattr(tuner, "fn", None), "__name__", "?")
+                watch.calls.append((name, len(getattr(tuner, "launchers", []) or []), time.perf_counter() - start))
+
+        CachingAutotuner.benchmark_all_configs = timed
+
+    def summary(self) -> dict:
+        kinds: dict[str, list[float]] = {}
+        for name, configs, seconds in self.calls:
+            kind = name.split("_")[1] if name.startswith("triton_") and name.count("_") >= 2 else "other"
+            k = kinds.setdefault(kind, [0, 0, 0.0])
+            k[0] += 1
+            k[1] += configs
+            k[2] += seconds
+        return {"kernels": len(self.calls), "configs": sum(c for _, c, _ in self.calls),
+                "seconds": sum(t for _, _, t in self.calls),
+                "by_kind": {k: {"kernels": v[0], "configs": v[1], "seconds": v[2]} for k, v in kinds.items()}}
+
+
 def run_one(args) -> dict:
     """Build, compile and time one variant in this process (the parent set the cache folder)."""
     import contextlib
@@ -208,6 +248,7 @@ def run_one(args) -> dict:
     import torch._inductor.compile_fx  # noqa: F401
 
     records, bypass = _listen()
+    autotune = _AutotuneWatch()
     device = torch.device(args.device)
     torch.manual_seed(0)
     model, make = build(args.model, args.size)
@@ -229,20 +270,28 @@ def run_one(args) -> dict:
             options["precompile"] = False
         if args.variant.endswith("-nocg"):
             options["cudagraphs"] = False
+        if args.variant.endswith("-autotune"):
+            options["inductor_config"] = {"triton.autotune_pointwise": True}
         fn = torch.compile(model, backend="comera", options=options)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(2)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    splits: list[dict[str, float]] = []  # per step: seconds to the forward's return, the backward's, the end
+
     def step(i: int) -> float:
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = fn(*batches[i % 2])
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        splits.append({"forward_s": forward - start, "backward_s": backward - forward, "rest_s": end - backward})
+        return end - start
 
     profile = None
     if args.cprofile:
@@ -255,7 +304,8 @@ def run_one(args) -> dict:
     result = {"model": args.model, "variant": args.variant, "size": args.size, "device": args.device,
               "first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
               "phases_s": _phases(), "all_phases_s": _all_phases(), "counters": _counters(), "bypass_reasons": sorted(set(bypass.reasons)),
-              "backend": records.timings, "torch": torch.__version__}
+              "backend": records.timings, "torch": torch.__version__,
+              "autotune": autotune.summary(), "first_step_split_s": splits[0]}
     if args.variant.split("-")[1] == "comera":  # what our cache key hashes: a warm run after an edit misses
         from comera_compile.cache import source_fingerprint
 
@@ -396,7 +446,21 @@ def _progress(result: dict, label: str) -> None:
           + (f"{result['compile_s']:.1f} s" if "compile_s" in result else "FAILED")
           + f"; before it: load {load:.1f}, runnable {state.get('procs_running_median')}, "
           f"{len(state.get('other_python', []))} other Python processes, "
-          f"Python loop {1e3 * state.get('python_loop_s', float('nan')):.0f} ms", flush=True)
+          f"Python loop {1e3 * state.get('python_loop_s', float('nan')):.0f} ms"
+          + _autotune_note(result), flush=True)
+
+
+def _autotune_note(result: dict) -> str:
+    """The first step's split and Inductor's first-call timing of kernel configurations, where recorded."""
+    split, tune = result.get("first_step_split_s"), result.get("autotune")
+    note = ""
+    if split:
+        note += "; first step: forward {forward_s:.1f} s, backward {backward_s:.1f} s, rest {rest_s:.1f} s".format(**split)
+    if tune and tune["kernels"]:
+        note += (f"; configuration timing: {tune['kernels']} kernels, {tune['configs']} configurations, "
+                 f"{tune['seconds']:.2f} s (" + ", ".join(f"{k} {v['kernels']}/{v['configs']}/{v['seconds']:.2f} s"
+                                                        for k, v in sorted(tune["by_kind"].items())) + ")")
+    return note
 
 
 def _save(args, results: list[dict]) -> None:
@@ -433,7 +497,7 @@ def _row(entry: dict, results: list[dict]) -> str:
     warm = _median(entry["warm"], "compile_s") if entry["warm"] else float("nan")
     errors = [r["error"] for r in entry["cold"] + entry["warm"] if "error" in r]
     if errors:
-        return f"{entry['model']:<8} {entry['variant']:<17} FAILED:\n{errors[0]}"
+        return f"{entry['model']:<8} {entry['variant']:<19} FAILED:\n{errors[0]}"
     last = entry["cold"][-1]
     phases = last["phases_s"]
     hits = entry["warm"][-1]["counters"] if entry["warm"] else {}
@@ -441,7 +505,7 @@ def _row(entry: dict, results: list[dict]) -> str:
              f"{hits.get('fxgraph_cache_bypass', 0)} aot {hits.get('autograd_cache_hit', 0)}/"
              f"{hits.get('autograd_cache_miss', 0)}/{hits.get('autograd_cache_bypass', 0)}") if hits else "-"
     nodes = sum(t.get("nodes", 0) for t in last["backend"]) or "-"
-    return (f"{entry['model']:<8} {entry['variant']:<17} {cold:8.1f} {ratio:6.2f} {warm:8.1f} "
+    return (f"{entry['model']:<8} {entry['variant']:<19} {cold:8.1f} {ratio:6.2f} {warm:8.1f} "
             f"{_passes_s(entry['cold']):8.2f} {nodes!s:>6} "
             + " ".join(f"{phases.get(label, float('nan')):7.1f}" for label in PHASES.values())
             + f"  {cache}" + _cg_ratio(entry, results))
@@ -455,7 +519,7 @@ def _cg_ratio(entry: dict, results: list[dict]) -> str:
     return f"  vs dense-inductor-cg {_paired_ratio(entry, ref):.2f}"
 
 
-HEADER = (f"{'model':<8} {'variant':<17} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'passes':>8} {'nodes':>6} "
+HEADER = (f"{'model':<8} {'variant':<19} {'cold s':>8} {'ratio':>6} {'warm s':>8} {'passes':>8} {'nodes':>6} "
           + " ".join(f"{label[:7]:>7}" for label in PHASES.values()) + "  warm cache hit/miss/bypass")
 
 

@@ -31,7 +31,9 @@ off), ``tt-fp32``, ``ttm``, ``ttm-nocg``, ``btt`` (width sweep; a tag ``-rN`` se
 ``combo_kernels`` (e.g. ``tt-nocg-combo``, ``dense-inductor-cpp``), ``-cce`` fuses the head's loss
 whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``), ``-opaque`` sets
 ``tt_merges="opaque"`` (e.g. ``tt-opaque``, ``ttm-opaque``), ``-blocks`` pins btt sites to the blocks path
-(``tt_strategy="blocks"``, e.g. ``btt-opaque-blocks``).
+(``tt_strategy="blocks"``, e.g. ``btt-opaque-blocks``), ``-autotune`` turns Inductor's first-call timing of
+pointwise kernels' configurations back on (``triton.autotune_pointwise``, which the backend turns off for
+graphs with tensor-train layers; e.g. ``tt-autotune``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
@@ -303,7 +305,8 @@ def run_variant(model_name: str, variant: str, args) -> dict:
     model = model.to(device)
     params = _count(model)
     fp32, cg, nocg = "fp32" in tags, "cg" in tags, "nocg" in tags
-    inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo")) if tag in tags}
+    inductor = {k: True for k, tag in (("cpp_wrapper", "cpp"), ("combo_kernels", "combo"),
+                                       ("triton.autotune_pointwise", "autotune")) if tag in tags}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if variant == "dense-eager":
         fn = model

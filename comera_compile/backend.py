@@ -67,6 +67,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
             logger.info("graph %d: CUDA graphs on for its %d tensor-train site(s) (options={'cudagraphs': "
                         "False} turns them off)", index, ctx.tt_sites())
     report.cudagraphs = bool(opts.cudagraphs and _cuda_available())
+    if ctx.tt_sites():
+        # The token path of a tensor-train layer is a chain of small GEMMs joined by transposes: many
+        # pointwise kernels, for each of which Inductor would time six configurations at its first call.
+        ctx.request_inductor_config("triton.autotune_pointwise", False)
     if collector is not None:
         report.after = _readable(gm)
         report.gm = gm

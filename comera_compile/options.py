@@ -93,7 +93,11 @@ class CompileOptions:
             head's shapes on an H200). The process runs the loss once on random tensors of the same
             shapes, and holds a CUDA context and at most 1 GiB of them for a few seconds; its values
             are not used. ``False``: the kernels compile at their first call.
-        inductor_config: extra Inductor config patches, passed through unchanged.
+        inductor_config: extra Inductor config patches, passed through unchanged; they win over the
+            settings the backend chooses for a graph with tensor-train layers (one configuration per
+            pointwise kernel, ``triton.autotune_pointwise=False``, instead of timing six at each
+            kernel's first call; ``max_pointwise_cat_inputs`` raised so that a group's cores stack in
+            one kernel).
     """
 
     inner: str = "inductor"

@@ -86,6 +86,32 @@ def test_cudagraphs_option_reaches_inductor(monkeypatch):
     assert seen["triton.cudagraphs"] is True and seen["max_autotune"] is True
 
 
+def test_tensor_train_graphs_time_one_pointwise_configuration(monkeypatch):
+    """A graph with tensor-train layers asks Inductor for one configuration per pointwise kernel (no
+    first-call timing of six); a dense graph keeps Inductor's default; the user's setting wins."""
+    seen: list[dict] = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None, **kw):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    import torch._inductor.compile_fx as compile_fx_mod
+
+    monkeypatch.setattr(compile_fx_mod, "compile_fx", fake_compile_fx)
+    x = torch.randn(4, 32)
+    torch._dynamo.reset()
+    torch.compile(_tt_model(), backend="comera")(x)
+    assert seen[-1]["triton.autotune_pointwise"] is False
+    torch._dynamo.reset()
+    torch.compile(torch.nn.Linear(32, 32), backend="comera")(x)
+    assert "triton.autotune_pointwise" not in seen[-1]
+    torch._dynamo.reset()
+    torch.compile(_tt_model(), backend="comera",
+                  options={"inductor_config": {"triton.autotune_pointwise": True}})(x)
+    assert seen[-1]["triton.autotune_pointwise"] is True
+    torch._dynamo.reset()
+
+
 def _tt_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 64))
