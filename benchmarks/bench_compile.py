@@ -396,7 +396,7 @@ def _machine_state() -> dict:
                 running.append(int(line.split()[1]))
         time.sleep(0.1)
     state["procs_running_median"] = statistics.median(running) if running else None
-    mine = {os.getpid(), os.getppid()}
+    mine = _ancestors(proc)  # this process and those that started it (a shell whose line names python3)
     others = []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) in mine:
@@ -409,6 +409,19 @@ def _machine_state() -> dict:
             others.append(cmdline[:160])
     state["other_python"] = others
     return state
+
+
+def _ancestors(proc: Path) -> set[int]:
+    """This process's id and its ancestors' (read from /proc/<pid>/stat's parent field)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            stat = (proc / str(pid) / "stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
 
 
 def run_all(args) -> list[dict]:

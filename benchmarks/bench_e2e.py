@@ -513,9 +513,9 @@ def main(argv=None) -> list[dict]:
                     None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
         ranks = {t for t in tags if t[:1] == "r" and t[1:].isdigit() and int(t[1:]) > 0}
-        if base is None or tags - ranks - {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks"} or (ranks and base.startswith("dense")):
+        if base is None or tags - ranks - {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks", "autotune"} or (ranks and base.startswith("dense")):
             ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt, ttm or btt, "
-                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -rN (a rank; not "
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -autotune, -rN (a rank; not "
                      "for dense)")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
