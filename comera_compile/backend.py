@@ -71,11 +71,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
         # The token path of a tensor-train layer is a chain of small GEMMs joined by transposes: many
         # pointwise kernels, for each of which Inductor would time six configurations at its first call.
         ctx.request_inductor_config("triton.autotune_pointwise", False)
+    settings = {**ctx.inductor_config, **opts.inductor_config}  # the user's inductor_config wins
+    if opts.inner == "inductor":
+        report.inductor_config = settings
     if collector is not None:
         report.after = _readable(gm)
         report.gm = gm
         collector.graph_reports.append(report)
-    compiled = compile_inner(gm, example_inputs, opts, ctx.inductor_config, graph=index)
+    compiled = compile_inner(gm, example_inputs, opts, settings, graph=index)
     total_s = time.perf_counter() - start
     lazy = " (its backward compiles at the first backward)" if ctx.training and opts.inner != "eager" and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs) else ""
@@ -113,9 +116,10 @@ def _cuda_available() -> bool:
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions,
-                  requested: dict[str, Any] | None = None, graph: int | None = None) -> Callable:
-    """Hand the rewritten graph to the inner compiler; ``requested`` are the Inductor settings the
-    passes asked for (the user's ``inductor_config`` wins); ``graph``: the index the log names."""
+                  settings: dict[str, Any] | None = None, graph: int | None = None) -> Callable:
+    """Hand the rewritten graph to the inner compiler; ``settings``: the Inductor config patches (those
+    the passes asked for, with the user's ``inductor_config`` over them); ``graph``: the index the log
+    names."""
     from torch._dynamo.backends.registry import lookup_backend
 
     cudagraphs = opts.cudagraphs and _cuda_available()
@@ -126,7 +130,7 @@ def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
 
         from comera_compile.cache import inductor_config_patches
 
-        patches = {**(requested or {}), **opts.inductor_config}
+        patches = dict(settings or {})
         if cudagraphs:
             patches["triton.cudagraphs"] = True
         if opts.max_autotune:

@@ -49,6 +49,9 @@ class GraphReport:
     skipped: list[SkipRecord] = field(default_factory=list)
     passes_run: list[tuple[str, int]] = field(default_factory=list)
     cudagraphs: bool = False  # whether the inner compiler runs this graph under CUDA graphs
+    #: Inductor settings handed to the inner compiler beyond its defaults: those the passes asked for,
+    #: with the user's ``inductor_config`` over them (empty for another inner compiler).
+    inductor_config: dict[str, Any] = field(default_factory=dict)
 
     def format(self, graphs: bool = False) -> str:
         """The summary (passes, CUDA graphs, rewrites, candidates left alone); ``graphs=True`` adds the
@@ -56,6 +59,8 @@ class GraphReport:
         lines = [f"=== graph {self.index} ==="]
         lines.append("passes: " + (", ".join(f"{n} ({c})" for n, c in self.passes_run) or "none"))
         lines.append(f"CUDA graphs: {'on' if self.cudagraphs else 'off'}")
+        if self.inductor_config:
+            lines.append("Inductor settings: " + ", ".join(f"{k}={v!r}" for k, v in sorted(self.inductor_config.items())))
         lines.append(f"rewrites ({len(self.rewrites)}):")
         lines += [f"  {r}" for r in self.rewrites] or ["  none"]
         lines.append(f"left alone ({len(self.skipped)}):")

@@ -110,6 +110,11 @@ def test_tensor_train_graphs_time_one_pointwise_configuration(monkeypatch):
                   options={"inductor_config": {"triton.autotune_pointwise": True}})(x)
     assert seen[-1]["triton.autotune_pointwise"] is True
     torch._dynamo.reset()
+    import comera_compile as cc
+
+    summary = str(cc.explain(_tt_model(), x))
+    assert "Inductor settings: " in summary and "triton.autotune_pointwise=False" in summary
+    torch._dynamo.reset()
 
 
 def _tt_model():
