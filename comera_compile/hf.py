@@ -13,7 +13,9 @@ mapping (or ``(loss, logits, ...)`` tuple).
 :func:`save_pretrained` / :func:`from_pretrained` save and load a tensorized model: transformers'
 own ``from_pretrained`` builds the dense architecture and drops the TT cores (it reports their keys
 as unexpected and initializes the weights anew), so the TT layout (every layer's format, modes and
-core shapes, i.e. its ranks after any pruning) goes to ``comera_tt.json`` beside ``config.json``.
+core shapes, i.e. its ranks after any pruning) goes to ``comera_tt.json`` beside ``config.json``
+(:mod:`comera_compile.tensorize.checkpoint`, which also makes a tensorized model's own
+``save_pretrained`` write it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions
+from comera_compile.tensorize.checkpoint import TT_FILE, TT_FORMAT, TT_MARK, save_with_layout
 
 __all__ = ["compile", "from_pretrained", "fused_loss", "save_pretrained", "without_logits"]
 
@@ -196,11 +199,6 @@ def _pin_loss_function(root: nn.Module) -> None:
     root.__dict__[_PINNED] = True
 
 
-TT_FILE = "comera_tt.json"
-_TT_FORMAT = 1
-_TT_MARK = ".parametrizations.weight.0."
-
-
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     """``model.save_pretrained(save_directory, **kwargs)`` for a tensorized model, reloadable by
     :func:`from_pretrained`.
@@ -211,35 +209,16 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     (``tied="share"``) is stored under its first module's name only (safetensors refuses tensors
     shared between modules), and the cores are copied out of their flat Parameter. A model without
     TT layers is saved as by ``model.save_pretrained``. Keyword arguments go to
-    ``save_pretrained`` (a ``state_dict=`` of your own is not taken).
+    ``save_pretrained`` (a ``state_dict=`` of your own is not taken). ``tensorize_`` makes a
+    transformers model's own ``save_pretrained`` do the same (what ``Trainer`` calls to save).
     """
-    from comera_compile.tensorize.transform import tt_layout
-
     root = unwrap_compiled(model)
-    if not callable(getattr(root, "save_pretrained", None)):
+    save = getattr(type(root), "save_pretrained", None)
+    if not callable(save):
         raise TypeError(f"cc.hf.save_pretrained expects a transformers PreTrainedModel; got {type(root).__name__}")
     if "state_dict" in kwargs:
         raise TypeError("cc.hf.save_pretrained builds the state_dict itself; do not pass state_dict=")
-    layout = tt_layout(root)
-    if not layout:
-        root.save_pretrained(save_directory, **kwargs)
-        _remove_tt_file(save_directory)
-        return
-    state = root.state_dict()
-    drop = tuple(f"{other}{_TT_MARK}" for entry in layout for other in entry["shared_with"])
-    prefixes = tuple(f"{entry['fqn']}{_TT_MARK}" for entry in layout)
-    state = {k: (v.detach().clone() if k.startswith(prefixes) else v)
-             for k, v in state.items() if not k.startswith(drop)}
-    root.save_pretrained(save_directory, state_dict=state, **kwargs)
-    if kwargs.get("is_main_process", True):
-        with open(os.path.join(save_directory, TT_FILE), "w") as f:
-            json.dump({"format_version": _TT_FORMAT, "layers": layout}, f, indent=1)
-
-
-def _remove_tt_file(directory: str | os.PathLike) -> None:
-    path = os.path.join(directory, TT_FILE)
-    if os.path.exists(path):  # a stale layout from an earlier tensorized save into the same directory
-        os.remove(path)
+    save_with_layout(root, save, save_directory, **kwargs)
 
 
 def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, **kwargs: Any) -> nn.Module:
@@ -266,18 +245,19 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, 
     state = _load_weights(path)
     tt_path = os.path.join(path, TT_FILE)
     if not os.path.exists(tt_path):
-        if any(_TT_MARK in k for k in state):
-            raise ValueError(f"{path} holds tensor-train cores but no {TT_FILE}: it was saved by plain "
-                             "model.save_pretrained, which does not record the TT layout. Load it by building "
-                             "the model, cc.tensorize_ with the same config and ranks, then "
+        if any(TT_MARK in k for k in state):
+            raise ValueError(f"{path} holds tensor-train cores but no {TT_FILE}: it was saved without its TT "
+                             "layout (by a save_pretrained that tensorize_ did not extend: one on the instance "
+                             "of your own, or of a module other than the one tensorize_ was given). Load it by "
+                             "building the model, cc.tensorize_ with the same config and ranks, then "
                              "model.load_state_dict(safetensors.torch.load_file(...)); save with "
                              "cc.hf.save_pretrained next time")
         layout = []
     else:
         with open(tt_path) as f:
             saved = json.load(f)
-        if saved.get("format_version") != _TT_FORMAT:
-            raise ValueError(f"{tt_path}: format_version {saved.get('format_version')!r} is not {_TT_FORMAT}")
+        if saved.get("format_version") != TT_FORMAT:
+            raise ValueError(f"{tt_path}: format_version {saved.get('format_version')!r} is not {TT_FORMAT}")
         layout = saved["layers"]
     config = transformers.AutoConfig.from_pretrained(path)
     build = getattr(cls, "from_config", None) or cls._from_config
@@ -310,14 +290,14 @@ def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], layout: list[
     weights from the entry they share."""
     state = dict(state)
     for entry in layout:
-        lead = f"{entry['fqn']}{_TT_MARK}"
+        lead = f"{entry['fqn']}{TT_MARK}"
         for other in entry["shared_with"]:
             for key in [k for k in state if k.startswith(lead)]:
-                state.setdefault(f"{other}{_TT_MARK}{key[len(lead):]}", state[key])
+                state.setdefault(f"{other}{TT_MARK}{key[len(lead):]}", state[key])
     expected = model.state_dict(keep_vars=True)
     by_storage: dict[tuple, list[str]] = {}
     for key, t in expected.items():
-        if isinstance(t, torch.Tensor) and t.numel() and _TT_MARK not in key:
+        if isinstance(t, torch.Tensor) and t.numel() and TT_MARK not in key:
             by_storage.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), []).append(key)
     for keys in by_storage.values():  # tied dense weights: transformers saves one of them
         present = [k for k in keys if k in state]

@@ -489,8 +489,10 @@ def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
     from safetensors.torch import load_file, save_file
 
     m = _tensorized("llama")
-    m.save_pretrained(tmp_path / "plain")  # plain save: the cores are in the file, the layout is not
-    with pytest.raises(ValueError, match="cc.hf.save_pretrained"):
+    # the class's save_pretrained, which tensorize_ did not extend: the cores are in the file, the layout is not
+    type(m).save_pretrained(m, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "comera_tt.json").exists()
+    with pytest.raises(ValueError, match="without its TT layout.*cc.hf.save_pretrained"):
         cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "plain")
     cc.hf.save_pretrained(m, tmp_path / "tt")
     path = tmp_path / "tt" / "model.safetensors"
@@ -500,6 +502,71 @@ def test_from_pretrained_loads_strictly_and_names_a_plain_save(tmp_path):
     save_file(state, path, metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match=r"missing keys \[.*cores[.]1.*unexpected keys \['extra.weight'\]"):
         cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "tt")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_models_own_save_pretrained_keeps_the_layout(name, tmp_path):
+    """After tensorize_, the model's own save_pretrained (what Trainer calls) writes comera_tt.json and
+    stores a shared TT once (GPT-2's tied="share" pair: transformers alone refuses the shared cores);
+    cc.hf.from_pretrained reloads it exactly, and the reloaded model saves the same way."""
+    m = _tensorized(name)
+    want, layout = _logits(m, name), _layout(m)
+    m.save_pretrained(tmp_path / "a", True)  # is_main_process, positionally
+    assert (tmp_path / "a" / "comera_tt.json").exists()
+    got = cc.hf.from_pretrained(_model_class(name), tmp_path / "a")
+    assert _layout(got) == layout and torch.equal(_logits(got, name), want)
+    got.save_pretrained(tmp_path / "b")
+    again = cc.hf.from_pretrained(_model_class(name), tmp_path / "b")
+    assert _layout(again) == layout and torch.equal(_logits(again, name), want)
+
+
+def test_the_extended_save_pretrained_follows_copies_and_leaves_a_users_own(tmp_path):
+    import copy
+
+    m = _tensorized("llama")
+    twin = copy.deepcopy(m)
+    assert twin.save_pretrained.__self__ is twin and m.save_pretrained.__self__ is m
+    assert "state_dict" in inspect.signature(m.save_pretrained).parameters
+    m.save_pretrained(tmp_path / "worker", is_main_process=False)  # another process writes the files
+    assert not (tmp_path / "worker" / "comera_tt.json").exists()
+    with pytest.raises(TypeError, match="positional"):
+        m.save_pretrained(tmp_path, *range(40))
+    calls = []
+    other = make_model("llama")
+    other.save_pretrained = lambda *a, **k: calls.append(a)  # the user's own: kept
+    cc.tensorize_(other, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda mod, fqn: ".mlp." in fqn)
+    other.save_pretrained(tmp_path / "own")
+    assert calls == [(tmp_path / "own",)]
+    cc.densify_(m)  # no TT layers left: a plain save, and an earlier layout in the directory goes
+    m.save_pretrained(tmp_path / "b")
+    (tmp_path / "b" / "comera_tt.json").write_text("{}")
+    m.save_pretrained(tmp_path / "b")
+    assert not (tmp_path / "b" / "comera_tt.json").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_trainer_checkpoints_of_a_tensorized_model_reload(name, tmp_path):
+    """Trainer's checkpoints and save_model() of a tensorized model (GPT-2 with its tied embedding/head
+    as one shared TT, which transformers alone refuses to save) reload with cc.hf.from_pretrained
+    to the trained model's logits, and Trainer resumes from the checkpoint."""
+    pytest.importorskip("accelerate")
+    model = _tensorized(name).train()
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    rows = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (8, 12), generator=g)]
+    trainer = transformers.Trainer(model=model, train_dataset=rows,
+                                   args=_train_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    want = _logits(model.eval(), name)
+    for path in (tmp_path / "out" / "checkpoint-2", tmp_path / "final"):
+        got = cc.hf.from_pretrained(_model_class(name), path)
+        assert _layout(got) == _layout(model)
+        assert torch.equal(_logits(got, name), want)
+    fresh = _tensorized(name).train()  # Trainer's own resume loads the checkpoint into a tensorized model
+    transformers.Trainer(model=fresh, train_dataset=rows, args=_train_args(tmp_path, max_steps=2)).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert torch.equal(_logits(fresh.eval(), name), want)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

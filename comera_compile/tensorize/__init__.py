@@ -5,6 +5,8 @@ transformers' ``Conv1D`` layers (the nn.Module floor above :mod:`comera_compile.
 * :mod:`~comera_compile.tensorize.parametrization`: :class:`TTParametrization` (a layer's weight as two
   flat Parameters of cores and gates), :func:`iter_tt_layers`;
 * :mod:`~comera_compile.tensorize.transform`: :func:`tensorize_`, :func:`densify_`;
+* :mod:`~comera_compile.tensorize.checkpoint`: ``save_pretrained`` with the TT layout
+  (``comera_tt.json``) beside the weights;
 * :mod:`~comera_compile.tensorize.compression`: :func:`compression_report`;
 * :mod:`~comera_compile.tensorize.optim`: :func:`param_groups`.
 """

@@ -464,7 +464,10 @@ def tensorize_(
     With ``svd_tol``, a layer whose rank cap stops TT-SVD short of the tolerance is named in one
     ``UserWarning`` with the error it reached (also in :func:`compression_report`).
     Invalid ranks or modes raise ValueError before any layer changes; every Linear-like layer that
-    is not tensorized is listed by :func:`compression_report` with the reason.
+    is not tensorized is listed by :func:`compression_report` with the reason. A model with a
+    ``save_pretrained`` (transformers') gets one on the instance that also writes the TT layout
+    (:func:`comera_compile.tensorize.checkpoint.keep_layout_on_save`), which
+    ``comera_compile.hf.from_pretrained`` reads.
     """
     model = unwrap_compiled(model)
     config = TTConfig() if config is None else config
@@ -508,12 +511,21 @@ def tensorize_(
         _prepare(plan)
     missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
     record_skipped(model, skipped)
+    if plans:
+        _keep_layout_on_save(model)
     if missed:
         tols = sorted({plan.config.svd_tol for plan in plans if plan.config.svd_tol is not None})
         warnings.warn(f"tensorize_: TTConfig(svd_tol={'/'.join(f'{t:g}' for t in tols)}) not reached by "
                       f"{len(missed)} layer(s): {'; '.join(missed)}. A larger rank reaches it, at the cost of "
                       "parameters; compression_report(model) lists every layer's error.", UserWarning, stacklevel=2)
     return model
+
+
+def _keep_layout_on_save(model: nn.Module) -> None:
+    """A model with a ``save_pretrained`` (transformers') writes its TT layout when it saves."""
+    from comera_compile.tensorize.checkpoint import keep_layout_on_save  # it imports this module
+
+    keep_layout_on_save(model)
 
 
 def _names(fqns: list[str], limit: int = 8) -> str:
@@ -602,4 +614,6 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
         for module in group:
             _register(module, param)
         param.refit_on_assign = True
+    if plans:
+        _keep_layout_on_save(model)
     return model
