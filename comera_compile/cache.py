@@ -48,7 +48,8 @@ def source_fingerprint() -> str:
     import comera_compile.kernels
     import comera_compile.passes
 
-    roots = {os.path.dirname(m.__file__) for m in (comera_compile, comera_compile.passes, comera_compile.kernels)}
+    # passes/ and kernels/ are namespace packages (no __init__.py, no __file__): their one folder each
+    roots = {folder for m in (comera_compile, comera_compile.passes, comera_compile.kernels) for folder in m.__path__}
     return hash_sources(sorted(roots)) + "-torch" + torch.__version__
 
 

@@ -133,11 +133,11 @@ _builtins_loaded = False
 
 
 def load_builtin_passes() -> None:
-    """Register the built-in passes (``comera_compile.passes.BUILTIN_PASSES``, in running order) once."""
+    """Register the built-in passes (``comera_compile.passes.builtin.BUILTIN_PASSES``, in running order) once."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        from comera_compile.passes import BUILTIN_PASSES
+        from comera_compile.passes.builtin import BUILTIN_PASSES
 
         for name, fn in BUILTIN_PASSES:
             REGISTRY.register(name, fn, builtin=True)

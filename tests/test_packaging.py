@@ -2,11 +2,15 @@
 else at the top level, with the torch_dynamo_backends entry point."""
 
 import glob
+import math
+import os
 import pathlib
 import re
 import subprocess
 import sys
 import zipfile
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,3 +60,84 @@ def test_no_test_asserts_a_wall_clock_time():
         if len(hits) > allowed.get(path.name, 0):
             offenders.append(f"{path.name}: lines {hits}")
     assert not offenders, offenders
+
+
+_SHADOW_PROBE = "import kernels, passes; print(kernels.MARK, passes.MARK)"
+
+
+def _fake_distributions(site):
+    """Regular top-level packages ``kernels`` and ``passes``, as an installed distribution has them."""
+    for name in ("kernels", "passes"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"MARK = 'installed-{name}'\n")
+    (site / "shadow_probe.py").write_text(_SHADOW_PROBE + "\n")
+
+
+def test_the_checkout_never_shadows_installed_top_level_modules(tmp_path):
+    """``python -c``, ``python -m`` and ``PYTHONPATH=.`` from the repository root put the root first on
+    sys.path; an installed ``kernels`` or ``passes`` (transformers depends on Hugging Face's ``kernels``)
+    must still win over the checkout's folders of those names."""
+    site = tmp_path / "site"
+    _fake_distributions(site)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    runs = {
+        "python -c": ([sys.executable, "-c", _SHADOW_PROBE], {"PYTHONPATH": str(site)}),
+        "python -m": ([sys.executable, "-m", "shadow_probe"], {"PYTHONPATH": str(site)}),
+        "PYTHONPATH=.": ([sys.executable, "-c", _SHADOW_PROBE], {"PYTHONPATH": f".{os.pathsep}{site}"}),
+    }
+    for how, (cmd, extra) in runs.items():
+        out = subprocess.run(cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{how}: {out.stderr}"
+        assert out.stdout.split() == ["installed-kernels", "installed-passes"], how
+
+
+def test_the_package_imports_its_passes_and_kernels_beside_installed_namesakes(tmp_path):
+    """With namesakes installed, ``comera_compile.kernels`` / ``.passes`` are still this package's."""
+    site = tmp_path / "site"
+    _fake_distributions(site)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(site)}
+    probe = ("import kernels, comera_compile as cc, comera_compile.kernels.tt_linear as t, "
+             "comera_compile.passes.builtin as b; print(kernels.MARK, t.__name__, cc.list_passes())")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["installed-kernels", "comera_compile.kernels.tt_linear"]
+    assert "tensor_network" in out.stdout and "cce" in out.stdout
+
+
+def _installed_hf_kernels() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+        importlib.metadata.distribution("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed_hf_kernels(), reason="Hugging Face's kernels (transformers >= 5.25) not installed")
+def test_transformers_hub_kernels_load_from_the_repository_root():
+    """From the root, ``import kernels`` is Hugging Face's package, and a transformers model builds and
+    runs with its hub-kernels integration loaded (the fresh-install failure: ``cannot import name
+    'CUDAProperties' from 'kernels'``)."""
+    probe = (
+        "import kernels, torch\n"
+        "from kernels import CUDAProperties\n"
+        "from transformers.integrations import hub_kernels\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "                  num_attention_heads=2, num_key_value_heads=2)\n"
+        "out = LlamaForCausalLM(cfg)(torch.randint(0, 64, (1, 5)), labels=torch.randint(0, 64, (1, 5)))\n"
+        "print(kernels.__file__); print(float(out.loss))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    where = pathlib.Path(out.stdout.splitlines()[0]).resolve()
+    assert not where.is_relative_to(ROOT / "kernels"), where  # CI's venv may sit inside the checkout
+    assert math.isfinite(float(out.stdout.splitlines()[1]))
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")  # this very process: `python -m pytest` from the root
+    assert spec.origin is not None and not pathlib.Path(spec.origin).resolve().is_relative_to(ROOT / "kernels")
