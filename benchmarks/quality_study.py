@@ -212,6 +212,39 @@ CONFIGS: dict[str, Config] = {
                              ("--tensorize", "32", "--warmup-steps", "{steps/10}") + TTM),
     "ttm-r32-corelr3": Config("ttm-r32 with the cores at 3x lr", ("--tensorize", "32", "--core-lr-scale", "3") + TTM),
 }
+# The width study (group "width2048"): a GPT of d 2048 x 8 layers (heads of 128), where btt's step is
+# faster than dense's; every row shares that recipe but for what the row is about. Learning-rate sweeps
+# factor 2 apart, centred where the 19.7 M-token probe put each row (dense 3e-4 best, diverged at 1.2e-3;
+# TT-matrix r32 2.4e-3; btt r1 4.8e-3).
+W2048 = ("--d-model", "2048", "--n-layers", "8", "--n-heads", "16")
+BTT = ("--fmt", "btt", "--gate-lr-scale", "1", "--core-weight-decay", "0.1")  # the quality benchmark's btt-pkg-g1
+W_DENSE_LRS = (1.5e-4, 3e-4, 6e-4)
+W_FRONTIER_LRS = (3e-4, 6e-4, 1.2e-3)
+W_BTT_LRS = (2.4e-3, 4.8e-3, 9.6e-3)
+CONFIGS.update({
+    "w-dense": Config("d 2048 dense (the reference: its final loss is the target)", W2048, lrs=W_DENSE_LRS),
+    "w-dense-iso": Config("dense at the parameters of w-btt-r1 (narrower, 8 layers)", W2048, iso_of="w-btt-r1",
+                          lrs=NARROW_LRS),
+    "w-d1024": Config("dense at d 1024 (the dense frontier: the best dense model for a smaller budget)",
+                      ("--d-model", "1024", "--n-layers", "8", "--n-heads", "8"), lrs=W_FRONTIER_LRS),
+    "w-d1536": Config("dense at d 1536 (the dense frontier)", ("--d-model", "1536", "--n-layers", "8", "--n-heads",
+                                                                "12"), lrs=W_FRONTIER_LRS),
+    "w-lowrank-iso": Config("blocks as plain low-rank products at the block parameters of w-btt-r1", W2048,
+                            lowrank_of="w-btt-r1", lrs=NARROW_LRS),
+    "w-ttm-r32": Config("blocks TT-matrix rank 32", W2048 + ("--tensorize", "32") + TTM, lrs=FACTORED_LRS),
+    "w-btt-r1": Config("blocks btt rank 1 through the package", W2048 + ("--tensorize", "1") + BTT, lrs=W_BTT_LRS),
+    "w-btt-r2": Config("blocks btt rank 2 through the package", W2048 + ("--tensorize", "2") + BTT, lrs=W_BTT_LRS),
+    "w-btt-r4": Config("blocks btt rank 4 through the package", W2048 + ("--tensorize", "4") + BTT, lrs=W_BTT_LRS),
+    "w-mix-mlp-btt": Config("MLP btt r1, attention TT-matrix r32", W2048 + (
+        "--tensorize", "attn=32,mlp=1", "--fmt", "attn=ttm,mlp=btt", "--gate-lr-scale", "1",
+        "--core-weight-decay", "0.1"), lrs=FACTORED_LRS),
+    "w-mix-attn-btt": Config("attention btt r1, MLP TT-matrix r32", W2048 + (
+        "--tensorize", "attn=1,mlp=32", "--fmt", "attn=btt,mlp=ttm", "--gate-lr-scale", "1",
+        "--core-weight-decay", "0.1"), lrs=FACTORED_LRS),
+})
+for _name in ("w-dense", "w-btt-r1"):
+    CONFIGS[f"{_name}-s1"] = replace(CONFIGS[_name], doc=f"{_name}, seed 1 (seed noise)",
+                                     args=CONFIGS[_name].args + ("--seed", "1"))
 # Second (and third) seeds of the best runs of "benchmark" and "next", at their best lr (the group "seeds").
 CONFIGS["ttm-r64-gate1x"] = Config("ttm-r64 with the gates at the cores' lr",
                                    ("--tensorize", "64", "--gate-lr-scale", "1") + TTM)
@@ -249,6 +282,10 @@ GROUPS = {
               "btt-pkg-g1@0.0096", "btt-pkg-g1-s1@0.0096"],
     "next": ["ttm-r32@0.0096", "btt-iso@0.0096", "cola-iso@0.0006", "ttm-r16", "ttm-r64", "dense-d512",
              "ttm-r32-gate1x@0.0048", "ttm-r32-warm10@0.0048", "ttm-r32-balanced@0.0048", "btt-pkg@0.0048"],
+    # the width study (BENCHMARKS.md, "Time to loss at d 2048"): --lrs grid sweeps each row; the first
+    # rows are the decisive ones (dense and btt r1), so a study cut by its deadline has them
+    "width2048": ["w-dense", "w-btt-r1", "w-dense-iso", "w-d1024", "w-d1536", "w-ttm-r32", "w-btt-r2", "w-btt-r4",
+                  "w-lowrank-iso", "w-mix-mlp-btt", "w-mix-attn-btt"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",
