@@ -9,6 +9,9 @@
 # The benchmark at the tuned learning rates only (the group "tuned": 7 runs, no sweep; about 10 minutes
 # of GPU time with its timing pass, as the 2026-12-02 follow-up's 13 side-by-side runs and 6-config
 # timing pass took 7.9 and 2.3 minutes): GROUP=tuned LRS=none bash benchmarks/quality_benchmark.sh DIR.
+# The width study (BENCHMARKS.md section 8: d 2048 x 8 layers, time to dense's loss; about 16 GiB a run, so
+# 6 at a time): GROUP=width2048 bash benchmarks/quality_benchmark.sh DIR "" 6. On a GPU whose calls are short,
+# benchmarks/width_gpu.sh runs chosen rows in the background and collects them.
 # Then, on any machine, the tables and plots from the logs:
 #   python benchmarks/quality_study.py --out-dir DIR --configs benchmark --report-only --plot-dir docs \
 #       --plot-prefix quality_benchmark_

@@ -62,6 +62,7 @@ SMOKE_ARGS = ["--device", "cpu", "--precision", "fp32", "--d-model", "128", "--n
               "--vocab-size", "512", "--corpus", "python", "--max-corpus-mb", "0.2", "--eval-batches", "2",
               "--backend", "eager"]
 SMOKE_RANK_DIVISOR = 8  # the smoke model is 6x narrower: ranks 16 / 32 / 64 become 2 / 4 / 8
+SMOKE_WIDTH_DIVISOR = 16  # a configuration's own width: the width study's d 2048 becomes d 128
 SMOKE_SIZES = {"steps": 20, "batch_size": 4, "seq_len": 32, "eval_every": 10, "concurrency": 2}
 
 
@@ -447,7 +448,7 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
     cfg = CONFIGS[base]
     out = out / "timing" if opts.timing else out
     flags, needs = [], []
-    for arg in _smoke_ranks(cfg.args) if opts.smoke else cfg.args:
+    for arg in _smoke_args(cfg.args) if opts.smoke else cfg.args:
         if arg.startswith("{ckpt:"):
             dep = run_name(arg[len("{ckpt:"):-1], lr)
             needs.append(dep)
@@ -472,11 +473,20 @@ def resolve(name: str, opts: argparse.Namespace, sizer: Sizer, out: Path) -> tup
     return flags, needs
 
 
-def _smoke_ranks(args: tuple[str, ...]) -> list[str]:
+def _smoke_args(args: tuple[str, ...]) -> list[str]:
+    """A configuration's flags at smoke size: ranks / 8; a width of its own / 16 (the width study's d 2048
+    becomes the smoke model's d 128) with heads of 64 (at least one) and 2 layers."""
     out = list(args)
     for i, arg in enumerate(out[:-1]):
         if arg == "--tensorize" and out[i + 1].isdigit():
             out[i + 1] = str(max(2, int(out[i + 1]) // SMOKE_RANK_DIVISOR))
+        elif arg == "--d-model":
+            out[i + 1] = str(int(out[i + 1]) // SMOKE_WIDTH_DIVISOR)
+        elif arg == "--n-layers":
+            out[i + 1] = "2"
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--n-heads" and "--d-model" in out:
+            out[i + 1] = str(max(1, int(out[out.index("--d-model") + 1]) // 64))
     return out
 
 
@@ -687,8 +697,17 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return best
 
 
+#: the study's reference rows, by role: the d 768 benchmark's names, then the width study's
+REFERENCES = {"dense": ("dense", "w-dense"), "dense-iso": ("dense-iso", "w-dense-iso")}
+
+
+def reference(best: list[dict], role: str) -> dict | None:
+    """The best row playing ``role`` (``"dense"`` or ``"dense-iso"``) in this study, if any."""
+    return next((b for name in REFERENCES[role] for b in best if b["config"] == name), None)
+
+
 def best_table(best: list[dict]) -> str:
-    refs = {name: next((b for b in best if b["config"] == name), None) for name in ("dense", "dense-iso")}
+    refs = {role: reference(best, role) for role in REFERENCES}
     head = ("config", "best lr", "val loss", "vs dense", "vs dense-iso", "val loss at each lr", "parameters",
             "block parameters", "tokens seen", "epochs", "step ms", "what")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -717,16 +736,76 @@ def best_table(best: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def is_dense(name: str) -> bool:
+    """A dense row (drawn dashed in the plots)."""
+    return name.startswith(("dense", "w-dense", "w-d1024", "w-d1536"))
+
+
+SEED_PAIRS = (("dense-iso", "dense-iso-s1"), ("w-dense", "w-dense-s1"), ("w-btt-r1", "w-btt-r1-s1"))
+
+
 def seed_noise(best: list[dict]) -> str:
-    """The seed-to-seed spread of dense-iso (seeds 0 and 1) at each learning rate both ran."""
-    a, b = (next((x for x in best if x["config"] == n), None) for n in ("dense-iso", "dense-iso-s1"))
+    """The seed-to-seed spread of a row run with seeds 0 and 1 (dense-iso; the width study's dense and
+    btt r1) at each learning rate both ran."""
+    return "\n".join(filter(None, (_seed_noise(best, a, b) for a, b in SEED_PAIRS)))
+
+
+def _seed_noise(best: list[dict], first: str, second: str) -> str:
+    a, b = (next((x for x in best if x["config"] == n), None) for n in (first, second))
     if not a or not b:
         return ""
     common = sorted(set(a["lr_losses"]) & set(b["lr_losses"]), key=lambda lr: lr or 0)
     parts = [f"{abs(a['lr_losses'][lr] - b['lr_losses'][lr]):.4f} at lr {lr:g}" if lr is not None else
              f"{abs(a['lr_losses'][lr] - b['lr_losses'][lr]):.4f}" for lr in common]
-    return ("Seed noise (|dense-iso - dense-iso-s1|, same lr): " + ", ".join(parts) +
+    return (f"Seed noise (|{first} - {second}|, same lr): " + ", ".join(parts) +
             f"; at each one's best lr {abs(a['val_loss'] - b['val_loss']):.4f}.") if parts else ""
+
+
+def _loss_at(xs: list[float], ys: list[float], x: float) -> float | None:
+    """The curve ``ys(xs)`` at ``x``, linear between evaluations; None outside ``[xs[0], xs[-1]]``."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[0] if xs and x == xs[0] else None
+
+
+def time_to(xs: list[float], ys: list[float], target: float) -> float | None:
+    """The first ``x`` where the curve ``ys(xs)`` reaches ``target`` or below, linear between
+    evaluations; None when it never does."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y1 <= target:
+            return x0 if y0 <= target else x0 + (x1 - x0) * (y0 - target) / (y0 - y1)
+    return xs[0] if xs and ys[0] <= target else None
+
+
+def time_to_loss_table(best: list[dict], fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)) -> str:
+    """Each row at its best lr against the dense reference, on wall-clock seconds (step x the step time
+    measured alone): when it reaches the reference's final validation loss, as a ratio to the
+    reference's whole run, and its loss at fractions of that run's seconds (blank past its own end)."""
+    ref = reference(best, "dense")
+    if not ref or not ref["eval_seconds"] or None in ref["eval_seconds"]:
+        return ""
+    target, total = ref["val_loss"], ref["eval_seconds"][-1]
+    points = [f * total for f in fractions]
+    head = ["config", "best lr", "final loss", "seconds (run)", "to dense's final loss", "ratio to dense's run"]
+    head += [f"loss at {p:.0f} s ({f:.0%})" for p, f in zip(points, fractions)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in best:
+        secs, losses = b["eval_seconds"], [loss for _, loss in b["evals"]]
+        if not secs or None in secs:
+            continue
+        reach = time_to(secs, losses, target)
+        at = [_loss_at(secs, losses, p) for p in points]
+        lines.append("| " + " | ".join(
+            [b["config"] + ("" if b["step_time_alone"] else "*"), f"{b['best_lr']:g}" if b["best_lr"] else "",
+             f"{b['val_loss']:.4f}", f"{secs[-1]:.1f}", f"{reach:.1f} s" if reach is not None else "not reached",
+             f"**{reach / total:.2f}x**" if reach is not None else ""]
+            + [f"{x:.4f}" if x is not None else "" for x in at]) + " |")
+    lines += ["", f"Seconds: step x the step time measured alone (--timing); * measured side by side (inflated). "
+              f"Target: {ref['config']}'s final validation loss {target:.4f} after {total:.1f} s. Losses between "
+              f"evaluations are interpolated linearly; a run's curve under its own cosine schedule, not the "
+              f"loss of a run scheduled to end there."]
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -791,7 +870,7 @@ def plots(rows: list[dict], out: Path, prefix: str = "") -> list[Path]:
     for r in rows:
         if r["evals"]:
             xs, ys = zip(*r["evals"])
-            ax.plot(xs, ys, marker=".", lw=1, label=r["config"], ls="--" if r["config"].startswith("dense") else "-")
+            ax.plot(xs, ys, marker=".", lw=1, label=r["config"], ls="--" if is_dense(r["config"]) else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token)")
     if ax.lines:
@@ -809,7 +888,7 @@ def plots(rows: list[dict], out: Path, prefix: str = "") -> list[Path]:
                 shared = key == "eval_seconds" and not b["step_time_alone"]
                 lr = f" (lr {b['best_lr']:g})" if b["best_lr"] is not None else ""
                 ax.plot(xs, ys, marker=".", lw=1, label=f"{b['config']}{lr}{'*' if shared else ''}",
-                        ls="--" if b["config"].startswith("dense") else "-")
+                        ls="--" if is_dense(b["config"]) else "-")
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title("each configuration at its best learning rate", fontsize=9)
@@ -867,6 +946,8 @@ def report(runs: list[Run], opts: argparse.Namespace) -> None:
     rows = collect(runs, out)
     best = best_rows(rows)
     text = best_table(best) + "\n\n" + table(rows)
+    if not opts.timing and time_to_loss_table(best):
+        text += "\n\n" + time_to_loss_table(best)
     (out / ("timing.md" if opts.timing else "results.md")).write_text(text + "\n")
     (out / ("timing.json" if opts.timing else "results.json")).write_text(json.dumps(rows, indent=1))
     if not opts.timing:

@@ -217,3 +217,57 @@ def test_timing_pass_compiles_side_by_side_and_times_each_alone(tmp_path):
         flags = log["args"]
         assert flags["barrier_parties"] == 2 and flags["barrier_step"] == 2 and log["complete"]
         assert log["alone"] is True and log["alone_from_step"] == 2 and len(log["steps"]) == 8
+
+
+def test_time_to_a_loss_and_the_loss_at_a_time_interpolate_between_evaluations():
+    xs, ys = [10.0, 20.0, 30.0], [4.0, 3.0, 2.0]
+    assert study.time_to(xs, ys, 2.5) == pytest.approx(25.0)
+    assert study.time_to(xs, ys, 4.5) == 10.0  # reached at the first evaluation
+    assert study.time_to(xs, ys, 1.0) is None  # never reached
+    assert study.time_to([1.0, 2.0, 3.0], [3.0, 2.0, 2.5], 2.2) == pytest.approx(1.8)  # the first crossing
+    assert study._loss_at(xs, ys, 15.0) == pytest.approx(3.5)
+    assert study._loss_at(xs, ys, 30.0) == 2.0 and study._loss_at(xs, ys, 31.0) is None
+
+
+def test_the_width_groups_rows_resolve_and_share_one_recipe(tmp_path, capsys):
+    """Every row of width2048 is d 2048 x 8 layers (heads of 128) but for what the row is about: the
+    frontier's widths, the iso row's width, the factored rows' compression flags."""
+    study.main(["--out-dir", str(tmp_path), "--configs", "width2048", "--lrs", "grid", "--list",
+                "--steps", "4", "--batch-size", "2", "--extra=--max-corpus-mb 0.3 --corpus stdlib"])
+    listed = capsys.readouterr().out
+    for name in study.GROUPS["width2048"]:
+        lrs = study.CONFIGS[name].lrs
+        assert len(lrs) >= 3, name  # each row at three learning rates or more
+        for lr in lrs:
+            assert f"{name}@{lr:g} " in listed, (name, lr)
+    lines = listed.splitlines()
+    for name in study.GROUPS["width2048"]:
+        flags = lines[lines.index(next(l for l in lines if l.startswith(f"{name}@"))) + 1].split()
+        width = int(flags[len(flags) - 1 - flags[::-1].index("--d-model") + 1])  # the last --d-model wins
+        layers = int(flags[flags.index("--n-layers") + 1])
+        assert layers == 8, name
+        expect = {"w-d1024": 1024, "w-d1536": 1536}.get(name, 2048)
+        if name != "w-dense-iso":
+            assert width == expect, (name, width)
+        else:
+            assert width < 1024  # narrower: the parameters of w-btt-r1
+        for other in ("--seq-len", "--batch-size", "--steps"):
+            assert other in flags
+
+
+def test_smoke_width_study_reports_time_to_the_dense_loss(tmp_path):
+    """The width study end to end at smoke size: a timing pass, then the runs; results.md holds the
+    time-to-loss table with the dense row as the reference (ratio 1.00x)."""
+    configs = "w-dense,w-btt-r1,w-d1024"
+    base = ["--smoke", "--out-dir", str(tmp_path), "--steps", "6", "--eval-every", "3"]
+    study.main(base + ["--configs", configs, "--timing", "--timing-steps", "6"])
+    rows = study.main(base + ["--configs", "w-dense@0.003,w-btt-r1@0.003,w-d1024@0.003"])
+    assert {r["config"] for r in rows} == {"w-dense@0.003", "w-btt-r1@0.003", "w-d1024@0.003"}
+    assert all(r["complete"] and r["step_time_alone"] for r in rows)
+    text = (tmp_path / "results.md").read_text()
+    section = text[text.index("to dense's final loss"):]
+    dense_line = next(line for line in section.splitlines() if line.startswith("| w-dense | "))
+    assert "**1.00x**" in dense_line
+    best = study.best_rows(rows)
+    ref = study.reference(best, "dense")
+    assert ref["config"] == "w-dense"
