@@ -9,7 +9,9 @@
 #
 # Environment: WORK (default /tmp/width), TIMING (configurations timed alone first; empty: none), RUNS
 # (the study's runs, NAME@LR, in order of priority), CONCURRENCY (4), STEPS (1900 x 32 x 512 = 31.1 M
-# tokens), EVAL_EVERY (95), TIMING_DEADLINE_S (330), DEADLINE_S (the study's, 1050), POLL_S (540).
+# tokens), EVAL_EVERY (95), EXTRA (more train_lm flags for every run), TIMING_DEADLINE_S (330), DEADLINE_S
+# (the study's, 1050), POLL_S (540). The long horizon (>= 100 M tokens, one epoch at most):
+#   STEPS=6200 EVAL_EVERY=310 EXTRA="--max-corpus-mb 450" RUNS="w-dense@0.0003,w-btt-r1@0.0096,w-d1024@0.0006" ...
 set -u
 cmd=${1:-poll}
 work=${WORK:-/tmp/width}
@@ -20,7 +22,7 @@ if [ "$cmd" = start ]; then
 set -u
 cd "$work/tree"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-common=(--out-dir "$work/study" --steps ${STEPS:-1900} --batch-size 32 --eval-every ${EVAL_EVERY:-95} --extra=--cuda-graphs)
+common=(--out-dir "$work/study" --steps ${STEPS:-1900} --batch-size 32 --eval-every ${EVAL_EVERY:-95} "--extra=--cuda-graphs ${EXTRA:-}")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ -n "${TIMING:-}" ]; then
