@@ -75,10 +75,13 @@ __all__ = [
 
 
 def compile(model, *, options=None, mode=None, **compile_kwargs):
-    """``torch.compile(model, backend="comera", ...)`` with the options validated right away."""
+    """``torch.compile(model, backend="comera", ...)`` with the options validated right away: a bad
+    value, or a pass name that no registered pass has, raises here rather than at the first call."""
     import torch
 
-    CompileOptions.from_user(options, mode)
+    from comera_compile.pass_manager import enabled_pass_names
+
+    enabled_pass_names(CompileOptions.from_user(options, mode))
     return torch.compile(model, backend="comera", options=options or None, mode=mode, **compile_kwargs)
 
 

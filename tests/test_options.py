@@ -77,6 +77,20 @@ def test_unknown_pass_name():
                       options={"inner": "eager", "passes": {"no-such-pass": False}})(torch.ones(2))
 
 
+def test_cc_compile_refuses_an_unknown_pass_name_before_the_first_call():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    with pytest.raises(OptionsError, match=r"unknown pass\(es\) \['no-such-pass'\].*registered passes: .*cce"):
+        cc.compile(f, options={"passes": {"no-such-pass": True}})
+    assert calls == []
+    compiled = cc.compile(f, options={"inner": "eager", "passes": {"cce": False}})  # a known name: accepted
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_cudagraphs_default_is_auto_and_modes_force_it():
     assert CompileOptions().cudagraphs is None
     assert CompileOptions.from_user({"cudagraphs": False}, mode="default").cudagraphs is False
