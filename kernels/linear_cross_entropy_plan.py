@@ -696,12 +696,18 @@ def logits_bytes(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes as explain prints them: "1 GiB", "1.96 GiB", "62.5 MiB", "7 KiB"."""
+    """``n`` bytes as explain prints them: "1 GiB", "1.96 GiB", "62.5 MiB", "1000 MiB", "7 KiB" (three
+    significant digits, never in exponent notation)."""
     if n >= 1 << 30:
-        return f"{n / (1 << 30):.3g} GiB"
+        return f"{_digits(n / (1 << 30))} GiB"
     if n >= MIB:
-        return f"{n / MIB:.3g} MiB"
+        return f"{_digits(n / MIB)} MiB"
     return f"{-(-n // 1024)} KiB"
+
+
+def _digits(x: float) -> str:
+    """``x`` to three significant digits, whole numbers from 100 on ("62.5", "1.96", "1000", "1234")."""
+    return f"{x:.3g}" if x < 99.95 else f"{x:.0f}"
 
 
 @dataclass(frozen=True)

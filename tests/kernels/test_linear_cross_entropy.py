@@ -592,6 +592,9 @@ def test_logits_bytes_are_what_the_unfused_loss_holds():
     assert logits_bytes(2048, 131072, torch.bfloat16) == 1 << 29  # 16-bit logits are saved as they are
     assert [format_bytes(n) for n in (1 << 30, 2_104_000_000, 64 << 20, 65_536_000, 7000)] == [
         "1 GiB", "1.96 GiB", "64 MiB", "62.5 MiB", "7 KiB"]
+    # never in exponent notation ("1e+03 MiB"): whole numbers from 100 on
+    assert [format_bytes(n) for n in (1000 << 20, 1023 << 20, (1 << 30) * 1500, 999 << 20, 99 << 20)] == [
+        "1000 MiB", "1023 MiB", "1500 GiB", "999 MiB", "99 MiB"]
 
 
 def test_the_cpu_model_prices_the_torch_reference():
