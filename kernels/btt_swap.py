@@ -19,6 +19,8 @@ under ``TRITON_INTERPRET=1`` with ``COMERA_FORCE_TRITON=1`` the kernel runs on t
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import logging
@@ -131,18 +133,18 @@ btt_swap.register_autograd(_backward)
 
 def _blocks_forward(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor], r: int):
     """The outputs ``y_i [n, c_i a_i]`` (one per second core ``[c_i, b1 r, a_i]``) and the regrouped
-    intermediate ``[C, n, b1 r]`` (``C = sum c_i``; kept for the backward)."""
+    intermediate ``[C, n, b1 r]`` (``C = sum c_i``; kept for the backward), all contiguous."""
     n = x.shape[0]
     b1, b2 = first.shape[0], first.shape[1]
     cs = [s.shape[0] for s in seconds]
     # the token-major input read in place as [b1, n, b2] (a strided batch; no copy)
-    t = torch.bmm(x.view(n, b1, b2).transpose(0, 1), first)  # [b1, n, C r]
+    t = torch.bmm(x.contiguous().view(n, b1, b2).transpose(0, 1), first)  # [b1, n, C r]
     ts = swap_blocks(t.view(b1, n, sum(cs), r)).view(sum(cs), n, b1 * r)
     ys, c0 = [], 0
     for second, c in zip(seconds, cs):
         y = x.new_empty((n, c, second.shape[2]))
         torch.bmm(ts[c0:c0 + c], second, out=y.transpose(0, 1))  # written token-major in place ([c, n, a] strided)
-        ys.append(y.view(n, -1))
+        ys.append(y.view(n, c * second.shape[2]))  # sizes spelled out: no -1, which zero tokens leave ambiguous
         c0 += c
     return ys, ts
 
@@ -156,7 +158,8 @@ def btt_blocks(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor]
     read the token-major input and write each token-major output in place (strided batches, no copy);
     the one regrouping between them is :func:`swap_blocks`. Returns the outputs, then the regrouped
     intermediate ``[C, n, b1 r]``, which the backward (``comera::btt_blocks_backward``, run the same
-    way) reads; ``x`` must be contiguous. Each output is its own tensor, so each output's gradient
+    way) reads; every result is contiguous, whatever the inputs' strides (``x`` is read contiguous; the
+    cores may be any views), and ``n`` may be 0. Each output is its own tensor, so each output's gradient
     arrives on its own: a split of one wide output made the backward concatenate them, and at d 4096 on
     an H200 that copy, with the RoPE backward fused into it, took 1.16 ms a layer, where the dense
     model's RoPE-backward kernels take 0.37 ms."""
@@ -172,52 +175,84 @@ def _(x, first, seconds, r):
 
 
 @torch.library.custom_op("comera::btt_blocks_backward", mutates_args=())
-def btt_blocks_backward(grads: list[torch.Tensor], x: torch.Tensor, ts: torch.Tensor, first: torch.Tensor,
-                        seconds: list[torch.Tensor], r: int) -> list[torch.Tensor]:
-    """The gradients of :func:`btt_blocks` (``grads``: one per output ``y_i``) for ``x``, ``first`` and
-    each of ``seconds``, in that order."""
-    n = x.shape[0]
-    b1, b2 = first.shape[0], first.shape[1]
-    cs = [s.shape[0] for s in seconds]
-    gts = x.new_empty((sum(cs), n, b1 * r))
-    g_seconds, c0 = [], 0
-    for grad, second, c in zip(grads, seconds, cs):
-        gy = grad.contiguous().view(n, c, second.shape[2]).transpose(0, 1)  # [c, n, a] strided
-        g_seconds.append(torch.bmm(ts[c0:c0 + c].transpose(1, 2), gy))  # [c, b1 r, a]
-        torch.bmm(gy, second.transpose(1, 2), out=gts[c0:c0 + c])  # [c, n, b1 r]
-        c0 += c
-    gt = swap_blocks(gts.view(sum(cs), n, b1, r)).view(b1, n, sum(cs) * r)
-    gx = x.new_empty((n, b1, b2))
-    torch.bmm(gt, first.transpose(1, 2), out=gx.transpose(0, 1))
-    g_first = torch.bmm(x.view(n, b1, b2).permute(1, 2, 0), gt)  # [b1, b2, C r]
-    return [gx.view(n, b1 * b2), g_first] + g_seconds
+def btt_blocks_backward(grads: list[torch.Tensor], x: Optional[torch.Tensor], ts: Optional[torch.Tensor],
+                        first: Optional[torch.Tensor], seconds: list[torch.Tensor], r: int) -> list[torch.Tensor]:
+    """The gradients of :func:`btt_blocks` (``grads``: one per output ``y_i``), each computed only where
+    the tensor it reads is given: ``x``'s (it reads ``first``), then ``first``'s (it reads ``x``), then
+    one per second core (they read the intermediate ``ts``), in that order; all contiguous."""
+    n, cs = grads[0].shape[0], [s.shape[0] for s in seconds]
+    gys = [g.contiguous().view(n, c, s.shape[2]).transpose(0, 1) for g, s, c in zip(grads, seconds, cs)]  # [c, n, a]
+    out = []
+    if x is not None or first is not None:
+        gt = _grad_intermediate(gys, seconds, r)  # [b1, n, C r]
+        if first is not None:
+            b1, b2 = first.shape[0], first.shape[1]
+            gx = gt.new_empty((n, b1, b2))
+            torch.bmm(gt, first.transpose(1, 2), out=gx.transpose(0, 1))
+            out.append(gx.view(n, b1 * b2))
+        if x is not None:
+            b1 = gt.shape[0]
+            out.append(torch.bmm(x.reshape(n, b1, x.shape[1] // b1).permute(1, 2, 0), gt))  # [b1, b2, C r]
+    if ts is not None:
+        out += [torch.bmm(t.transpose(1, 2), gy) for t, gy in zip(ts.split(cs), gys)]  # [c, b1 r, a]
+    return out
+
+
+def _grad_intermediate(gys: list[torch.Tensor], seconds: list[torch.Tensor], r: int) -> torch.Tensor:
+    """The gradient of the intermediate before its regrouping, ``[b1, n, C r]``, from the outputs'
+    gradients ``gys[i]`` [c_i, n, a_i] (strided views) through the second cores."""
+    c_all, n, b1 = sum(s.shape[0] for s in seconds), gys[0].shape[1], seconds[0].shape[1] // r
+    gts, c0 = gys[0].new_empty((c_all, n, b1 * r)), 0
+    for gy, second in zip(gys, seconds):
+        torch.bmm(gy, second.transpose(1, 2), out=gts[c0:c0 + second.shape[0]])  # [c, n, b1 r]
+        c0 += second.shape[0]
+    return swap_blocks(gts.view(c_all, n, b1, r)).view(b1, n, c_all * r)
 
 
 @btt_blocks_backward.register_fake
 def _(grads, x, ts, first, seconds, r):
-    return [torch.empty_like(x), torch.empty_like(first)] + [torch.empty_like(s) for s in seconds]
+    n, c_all, b1 = grads[0].shape[0], sum(s.shape[0] for s in seconds), seconds[0].shape[1] // r
+    out = []
+    if first is not None:
+        out.append(grads[0].new_empty((n, first.shape[0] * first.shape[1])))
+    if x is not None:
+        out.append(grads[0].new_empty((b1, x.shape[1] // b1, c_all * r)))
+    if ts is not None:
+        out += [grads[0].new_empty(s.shape) for s in seconds]  # contiguous, as the real op's: never empty_like
+    return out
 
 
 def _blocks_setup(ctx, inputs, output) -> None:
+    """Save only what the gradients asked for read (an input not saved may be written in place after
+    the op, as after eager's Linear): ``x`` for the first core's gradient, the first core for ``x``'s,
+    the intermediate for the second cores'. The intermediate has C r / b2 times the input's entries:
+    kept while no larger than the input (rank 1 with C <= b2), else recomputed in the backward from
+    ``x`` and the first core (one batched GEMM and one swap), so that a rank-r layer saves no r-times-
+    larger activation. The second cores are saved whenever any gradient is asked for."""
     x, first, seconds, r = inputs
-    ctx.r, ctx.k = r, len(seconds)
     ts = output[-1]
-    # The intermediate has C r / b2 times the input's entries: kept for the backward while no larger
-    # than the input (rank 1 with C <= b2), else recomputed there (one batched GEMM and one swap), so
-    # that a rank-r layer saves no r-times-larger activation.
+    ctx.r, ctx.n = r, x.shape[0]
     ctx.keep = ts.numel() <= x.numel()
-    ctx.save_for_backward(x, ts if ctx.keep else None, first, *seconds)
+    want_x, want_first, want_seconds = x.requires_grad, first.requires_grad, any(s.requires_grad for s in seconds)
+    recompute = want_seconds and not ctx.keep
+    ctx.save_for_backward(x if want_first or recompute else None, ts if want_seconds and ctx.keep else None,
+                          first if want_x or recompute else None, *seconds)
 
 
 def _blocks_backward(ctx, grads):
     x, ts, first, *seconds = ctx.saved_tensors
-    if not ctx.keep:
+    want_x, want_first, want_seconds = ctx.needs_input_grad[:3]
+    if any(want_seconds) and ts is None:
         ts = torch.ops.comera.btt_blocks(x, first, seconds, ctx.r)[-1]
     # an output the loss does not reach may come as None: its gradient is zero
-    ys = [torch.zeros(x.shape[0], s.shape[0] * s.shape[2], dtype=x.dtype, device=x.device) if g is None else g
-          for g, s in zip(grads[:ctx.k], seconds)]
-    gx, g_first, *g_seconds = torch.ops.comera.btt_blocks_backward(ys, x, ts, first, seconds, ctx.r)
-    return gx, g_first, g_seconds, None
+    ys = [seconds[0].new_zeros((ctx.n, s.shape[0] * s.shape[2])) if g is None else g
+          for g, s in zip(grads[:len(seconds)], seconds)]
+    out = iter(torch.ops.comera.btt_blocks_backward(ys, x if want_first else None, ts if any(want_seconds) else None,
+                                                    first if want_x else None, seconds, ctx.r))
+    gx = next(out) if want_x else None
+    g_first = next(out) if want_first else None
+    g_seconds = [next(out) if any(want_seconds) else None for _ in seconds]
+    return gx, g_first, [g if want else None for g, want in zip(g_seconds, want_seconds)], None
 
 
 btt_blocks.register_autograd(_blocks_backward, setup_context=_blocks_setup)

@@ -6,6 +6,8 @@ planner's choice and costs; the pass rewriting a btt Linear when the blocks are 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -396,3 +398,171 @@ def test_an_output_written_in_place_keeps_its_layer_out_of_the_shared_call():
     """K is scaled in place after the projections: K is rewritten on its own, Q and V share a call."""
     text = compiled_step_matches_eager(_qkv(inplace=True), torch.randn(4, 4, 2048), tt_strategy="blocks")
     assert text.count("one batched call with 1 other layer(s) reading the same input") == 2, text
+
+
+# ------------------------------------------------------------------ every op under opcheck, odd shapes
+
+# tokens n, row blocks b1 of b2, rank r, column blocks of each second core, their widths a_i, transposed
+OPCHECK_CASES = [(7, 3, 4, 2, (5,), (3,), False), (5, 3, 4, 2, (2, 3), (5, 1), True),
+                 (1, 1, 5, 3, (1,), (2,), True), (0, 3, 4, 2, (2, 3), (5, 1), True), (0, 2, 1, 1, (3,), (4,), False)]
+# the gradients asked of comera::btt_blocks_backward: x's (it reads first), first's (reads x), the seconds' (ts)
+GIVEN = [("x", "first", "seconds"), ("x",), ("first",), ("seconds",), ("first", "seconds")]
+
+
+def _op_inputs(case, dtype):
+    """``x [n, b1 b2]``, ``first [b1, b2, C r]``, ``seconds [c_i, b1 r, a_i]``; transposed cases give
+    each as the permuted view of a contiguous tensor of the reversed shape (as a tied head reads its cores)."""
+    n, b1, b2, r, cs, widths, transposed = case
+    gen = torch.Generator().manual_seed(5)
+
+    def tensor(*shape):
+        if not transposed:
+            return torch.randn(*shape, generator=gen, dtype=dtype)
+        return torch.randn(*shape[::-1], generator=gen, dtype=dtype).permute(*range(len(shape) - 1, -1, -1))
+
+    return tensor(n, b1 * b2), tensor(b1, b2, sum(cs) * r), [tensor(c, b1 * r, a) for c, a in zip(cs, widths)]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: f"n{c[0]}-{c[1]}x{c[2]}r{c[3]}{'-T' if c[6] else ''}")
+def test_every_op_of_btt_swap_passes_opcheck(case, impl, monkeypatch):
+    """comera::btt_swap, comera::btt_blocks and comera::btt_blocks_backward under torch.library.opcheck:
+    each fake's shapes and strides against its real op, the schema, the autograd registration, AOT
+    dispatch. Odd shapes, cores, x and the outputs' gradients as transposed views, zero tokens; the
+    backward asked for each subset of its gradients. ``"triton"``: the swap kernel (interpreter, fp32)
+    runs inside the ops; ``"torch"``: the permute (fp64)."""
+    from comera_compile.kernels import btt_swap as mod
+
+    calls = []
+    if impl == "triton":
+        monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+        monkeypatch.setattr(mod, "_BROKEN", [])
+        kernel = mod._swap_triton
+        monkeypatch.setattr(mod, "_swap_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    n, b1, b2, r = case[:4]
+    x, first, seconds = _op_inputs(case, torch.float32 if impl == "triton" else torch.float64)
+    leaves = [t.requires_grad_() for t in [x, first] + seconds]
+    torch.library.opcheck(torch.ops.comera.btt_swap.default, (x.detach().reshape(n, 1, b1, b2),))
+    torch.library.opcheck(torch.ops.comera.btt_swap.default, (first.detach().unsqueeze(1),))  # a view of the core
+    torch.library.opcheck(torch.ops.comera.btt_blocks.default, (leaves[0], leaves[1], leaves[2:], r))
+    with torch.no_grad():
+        *ys, ts = torch.ops.comera.btt_blocks(x, first, seconds, r)
+    grads = [torch.randn(y.shape[::-1], dtype=y.dtype).t() for y in ys]  # transposed views
+    for given in GIVEN:
+        args = (grads, x.detach() if "first" in given else None, ts if "seconds" in given else None,
+                first.detach() if "x" in given else None, [s.detach() for s in seconds], r)
+        torch.library.opcheck(torch.ops.comera.btt_blocks_backward.default, args)
+    assert impl == "torch" or (calls and not mod._BROKEN)  # the kernel ran, no fallback
+
+
+# ------------------------------------------------------------------ what the blocks' backward saves
+
+WANTS = [("x",), ("first",), ("seconds",), ("x", "seconds"), ("first", "seconds"), ("x", "first", "seconds")]
+
+
+@pytest.mark.parametrize("r, kept", [(1, True), (3, False)], ids=["ts-kept", "ts-recomputed"])
+@pytest.mark.parametrize("wants", WANTS, ids="+".join)
+def test_btt_blocks_saves_only_what_its_backward_reads(wants, r, kept):
+    """Each gradient reads one saved tensor: first's reads x, x's reads first, the seconds' read the
+    intermediate (kept, or recomputed from x and first). x is saved only where a gradient reads it,
+    so writing x in place after the op (a frozen layer; x's own gradient) leaves the gradients as the
+    float64 einsum reference gives them."""
+    b1, b2, n, cs = 3, 4, 5, (2, 1)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(n, b1 * b2, generator=gen, dtype=torch.float64)
+    first = torch.randn(b1, b2, sum(cs) * r, generator=gen, dtype=torch.float64)
+    seconds = [torch.randn(c, b1 * r, 2 + i, generator=gen, dtype=torch.float64) for i, c in enumerate(cs)]
+    names = ["x", "first"] + ["seconds"] * len(cs)
+    leaves = [t.clone().requires_grad_(name in wants) for t, name in zip([x, first] + seconds, names)]
+    refs = [t.clone().requires_grad_(name in wants) for t, name in zip([x, first] + seconds, names)]
+    xin = leaves[0].clone()  # a non-leaf input that may be written in place
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        *ys, ts = torch.ops.comera.btt_blocks(xin, leaves[1], leaves[2:], r)
+    assert ts.numel() <= x.numel() if kept else ts.numel() > x.numel()
+    x_read = "first" in wants or ("seconds" in wants and not kept)
+    assert any(t is xin for t in saved) == x_read
+    assert any(t is ts for t in saved) == ("seconds" in wants and kept)
+    if not x_read:
+        xin.mul_(2.0)
+    want = _blocks_reference(refs[0], refs[1], refs[2:], r)
+    dys = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for w in want]
+    got = torch.autograd.grad(ys, [t for t in leaves if t.requires_grad], dys)
+    wants_grads = torch.autograd.grad(want, [t for t in refs if t.requires_grad], dys)
+    for g, w in zip(got, wants_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+class FrozenQ(torch.nn.Module):
+    """Q read before its input is doubled in place, K and V after (the issue's pattern)."""
+
+    def __init__(self, d=64, input_grad=False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.o = torch.nn.Linear(d, 3)
+        self.input_grad = input_grad
+
+    def forward(self, x):
+        if self.input_grad:
+            x = x * 1.0  # an intermediate: it may be written in place
+        q = self.q(x)
+        x.mul_(2.0)
+        k, v = self.k(x), self.v(x)
+        return self.o(v * torch.sigmoid((q * k).sum(-1, keepdim=True)))
+
+
+@pytest.mark.parametrize("input_grad", [False, True], ids=["x-no-grad", "x-grad"])
+def test_a_frozen_btt_layer_lets_its_input_be_written_in_place(input_grad):
+    """A frozen btt Q on the blocks path, its input doubled in place after it: the step matches eager
+    (output, the input's gradient, every parameter's gradient), as eager's frozen Linear saves no input."""
+    torch.manual_seed(0)
+    eager = FrozenQ(input_grad=input_grad)
+    tensorize_(eager, TTConfig(fmt="btt", rank=2, min_size=0), filter_fn=lambda mod, fqn: fqn in ("q", "k", "v"))
+    eager.q.requires_grad_(False)
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(compiled_model, backend="comera", options={"inner": "aot_eager", "tt_strategy": "blocks"},
+                         fullgraph=True)
+    x0 = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    xe, xc = (x0.clone().requires_grad_(input_grad) for _ in range(2))
+    want, got = eager(xe), step(xc)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(xc.grad, xe.grad) if input_grad else torch.testing.assert_close(xc, xe)
+    for (name, p), (_, q) in zip(eager.named_parameters(), compiled_model.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) == name.startswith("q."), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+# ------------------------------------------------------------------ zero tokens
+
+@pytest.mark.parametrize("dynamic, batches", [(None, (0,)), (True, (5, 0, 3))], ids=["static", "dynamic"])
+def test_zero_tokens_on_the_blocks_path_match_eager(dynamic, batches, monkeypatch):
+    """A btt layer on the blocks path (pinned) given no tokens, shape (0, 3, 64): an empty output and
+    zero gradients, as eager; under dynamic=True the batch sizes 5, 0, 3 in turn."""
+    from torch import nn
+
+    from comera_compile.kernels import btt_swap
+
+    calls = []
+    forward = btt_swap._blocks_forward
+    monkeypatch.setattr(btt_swap, "_blocks_forward", lambda *a: calls.append(a[0].shape[0]) or forward(*a))
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
+    tensorize_(eager, TTConfig(fmt="btt", rank=2, min_size=0), filter_fn=lambda mod, fqn: fqn == "0")
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(compiled_model, backend="comera", options={"inner": "aot_eager", "tt_strategy": "blocks"},
+                         fullgraph=True, dynamic=dynamic)
+    for batch in batches:
+        x = torch.randn(batch, 3, 64)
+        eager.zero_grad()
+        compiled_model.zero_grad()
+        want, got = eager(x), step(x)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        assert got.shape == want.shape == (batch, 3, 3)
+        torch.testing.assert_close(got, want)
+        for (name, p), (_, q) in zip(eager.named_parameters(), compiled_model.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert set(calls) >= {b * 3 for b in batches}  # the blocks ran, zero tokens included
