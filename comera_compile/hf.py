@@ -34,7 +34,7 @@ from torch import nn
 from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions
-from comera_compile.tensorize.checkpoint import TT_FILE, TT_FORMAT, TT_MARK, save_with_layout
+from comera_compile.tensorize.checkpoint import TT_FILE, TT_MARK, read_layout, save_with_layout
 
 __all__ = ["compile", "from_pretrained", "fused_loss", "save_pretrained", "without_logits"]
 
@@ -204,7 +204,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     :func:`from_pretrained`.
 
     Writes ``comera_tt.json`` (every TT layer's name, the modules sharing it, format, modes, core
-    shapes and gate sizes: the ranks as they are, after pruning) next to transformers' files. The
+    shapes and gate sizes: the ranks as they are, after pruning; and a checksum of each of these
+    fields, which :func:`from_pretrained` verifies) next to transformers' files. The
     state_dict holds each TT layer's cores and gates once: a TT shared by several modules
     (``tied="share"``) is stored under its first module's name only (safetensors refuses tensors
     shared between modules), and the cores are copied out of their flat Parameter. A model without
@@ -232,7 +233,10 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, 
     Weights transformers ties (an LM head sharing the embedding) and modules sharing one TT are
     filled from the entry they share. The model is returned in eval mode, like transformers'
     ``from_pretrained``. A directory without ``comera_tt.json`` whose weights hold TT cores (saved
-    by plain ``model.save_pretrained``) raises ValueError saying how to load it.
+    by plain ``model.save_pretrained``) raises ValueError saying how to load it. A ``comera_tt.json``
+    that was edited after saving (a field that disagrees with its saved checksum), is truncated, or
+    lacks a field raises ValueError naming the file, the layer and the field
+    (:func:`comera_compile.tensorize.checkpoint.read_layout`).
     """
     import transformers
 
@@ -254,15 +258,14 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, 
                              "cc.hf.save_pretrained next time")
         layout = []
     else:
-        with open(tt_path) as f:
-            saved = json.load(f)
-        if saved.get("format_version") != TT_FORMAT:
-            raise ValueError(f"{tt_path}: format_version {saved.get('format_version')!r} is not {TT_FORMAT}")
-        layout = saved["layers"]
+        layout = read_layout(tt_path)
     config = transformers.AutoConfig.from_pretrained(path)
     build = getattr(cls, "from_config", None) or cls._from_config
     model = build(config, **kwargs)
-    restore_tt_layout_(model, layout)
+    try:
+        restore_tt_layout_(model, layout)
+    except ValueError as e:  # a layer the model lacks, or of another shape: the file says so
+        raise ValueError(f"{tt_path}: {e}") from None
     _load_strict(model, state, layout, path)
     return model.eval()
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import shutil
 
 import pytest
 import torch
@@ -591,3 +593,171 @@ def test_round_trip_through_a_sharded_checkpoint(tmp_path):
     got = cc.hf.from_pretrained(transformers.AutoModelForCausalLM, tmp_path)
     assert _layout(got) == layout
     assert torch.equal(_logits(got, "gpt2"), want)
+
+
+# ----------------------------------------------------------------------------------------------
+# comera_tt.json edited, truncated or incomplete: refused, naming the file, the layer and the field
+# ----------------------------------------------------------------------------------------------
+
+SQUARE, SVD = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
+BOTTLENECK = "model.layers.0.mlp.up_proj"
+DROP = object()  # an edit that deletes the field
+LAYOUT_FIELDS = ("fqn", "shared_with", "kind", "fmt", "row_modes", "col_modes", "rows", "cols", "transpose",
+                 "core_shapes", "gate_sizes", "init", "init_error", "svd_tol", "requires_grad", "activation",
+                 "checksums")
+
+
+@pytest.fixture(scope="module")
+def saved_layout(tmp_path_factory):
+    """A llama saved with a square "tt" layer (its weights look the same transposed), "tt" MLP layers
+    with a silu bottleneck (their weights look the same without it) and a TT-SVD "ttm" layer (its
+    init_error a float); the saved logits."""
+    m = make_model("llama").eval()
+    cc.tensorize_(m, {"re:.*[.]mlp[.].*": cc.TTConfig(fmt="tt", rank=4, activation="silu", min_size=0),
+                      "re:.*[.]q_proj": cc.TTConfig(fmt="tt", rank=4, min_size=0),
+                      "re:.*[.]k_proj": cc.TTConfig(fmt="ttm", rank=4, init="svd", svd_tol=0.99, min_size=0)})
+    assert isinstance(tt_parametrization(m.get_submodule(SVD)).init_error, float)
+    path = tmp_path_factory.mktemp("saved")
+    cc.hf.save_pretrained(m, path)
+    return path, _logits(m, "llama")
+
+
+def _load_edited(saved, where, edit):
+    """cc.hf.from_pretrained of a copy of ``saved`` in ``where / "m"`` whose comera_tt.json is ``edit(text)``."""
+    shutil.copytree(saved, where / "m")
+    file = where / "m" / "comera_tt.json"
+    file.write_text(edit(file.read_text()))
+    return cc.hf.from_pretrained(transformers.AutoModelForCausalLM, where / "m")
+
+
+def _set_field(fqn, field, value, checksums=True):
+    """An edit of comera_tt.json: the layer ``fqn``'s ``field`` set to ``value`` (deleted for DROP);
+    every layer's checksums removed (a file saved before they existed) unless ``checksums``."""
+    def edit(text):
+        saved = json.loads(text)
+        entry = next(e for e in saved["layers"] if e["fqn"] == fqn)
+        if value is DROP:
+            del entry[field]
+        else:
+            entry[field] = value
+        text = json.dumps(saved, indent=1)
+        return text if checksums else _strip_checksums(text)
+    return edit
+
+
+def _assert_names(msg, where, layer, field):
+    assert str(where / "m" / "comera_tt.json") in msg, msg
+    assert layer is None or layer in msg, msg
+    assert field in msg, msg
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+@pytest.mark.parametrize("fqn, field, value", [
+    (BOTTLENECK, "activation", None),  # issue 38: logits off by 0.065, the weights alike
+    (SQUARE, "transpose", False),  # a square layer: off by 0.5, the weights alike
+])
+def test_an_edited_layout_is_refused_naming_the_file_layer_and_field(saved_layout, tmp_path, fqn, field, value,
+                                                                     checksums):
+    """What the weights cannot tell apart, the checksums saved with the layout can; a file saved before
+    they existed loads as it says, with a warning that edits cannot be detected."""
+    edit = _set_field(fqn, field, value, checksums)
+    if not checksums:
+        with pytest.warns(UserWarning, match=r"comera_tt.json.*no checksums.*cannot be detected"):
+            _load_edited(saved_layout[0], tmp_path, edit)
+        return
+    with pytest.raises(ValueError, match="edited") as err:
+        _load_edited(saved_layout[0], tmp_path, edit)
+    _assert_names(str(err.value), tmp_path, f"'{fqn}'", f"'{field}'")
+
+
+def test_a_layout_saved_without_checksums_loads_the_saved_model_with_a_warning(saved_layout, tmp_path):
+    saved, want = saved_layout
+    with pytest.warns(UserWarning, match=r"comera_tt.json.*no checksums.*save the model again"):
+        got = _load_edited(saved, tmp_path, _strip_checksums)
+    assert torch.equal(_logits(got, "llama"), want)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+@pytest.mark.parametrize("edit, layer, field", [
+    (lambda text: text[: len(text) // 2], None, "truncated"),
+    (lambda text: "", None, "empty"),
+    (lambda text: '{"format_version": 1}', None, "'layers'"),
+    (lambda text: '{"format_version": 1, "layers": {}}', None, "'layers'"),
+    (lambda text: text.replace('"format_version": 1', '"format_version": 7'), None, "'format_version'"),
+    (_set_field(BOTTLENECK, "core_shapes", DROP), f"'{BOTTLENECK}'", "'core_shapes'"),
+    (_set_field(SQUARE, "fmt", "ttm"), f"'{SQUARE}'", "'fmt'"),  # another valid name
+    (_set_field(SQUARE, "fmt", "mpo"), f"'{SQUARE}'", "'fmt'"),
+    (_set_field(SQUARE, "rows", "32"), f"'{SQUARE}'", "'rows'"),
+    (_set_field(SQUARE, "activation", "tanh"), f"'{SQUARE}'", "'activation'"),
+    (_set_field(BOTTLENECK, "gate_sizes", [4, 2, 4]), f"'{BOTTLENECK}'", "'gate_sizes'"),
+])
+def test_a_truncated_or_incomplete_layout_is_refused_naming_the_file_layer_and_field(saved_layout, tmp_path, edit,
+                                                                                    layer, field, checksums):
+    """With or without checksums (a file saved before they existed), the error names the file, the layer
+    and the field, and the valid choices where there are some."""
+    with pytest.raises(ValueError) as err:
+        _load_edited(saved_layout[0], tmp_path, edit if checksums else lambda text: edit(_strip_checksums(text)))
+    _assert_names(str(err.value), tmp_path, layer, field)
+    if field in ("'fmt'", "'activation'"):
+        assert "valid" in str(err.value) or "edited" in str(err.value)
+
+
+def _strip_checksums(text):
+    saved = json.loads(text)
+    for e in saved["layers"]:
+        e.pop("checksums", None)
+    return json.dumps(saved)
+
+
+_CHOICES = {"fmt": ("tt", "ttm", "btt"), "kind": ("Linear", "Embedding", "Conv1D"),
+            "init": ("random", "balanced", "svd"), "activation": (None, "relu", "gelu", "silu"),
+            "fqn": (SQUARE, BOTTLENECK, SVD, "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.gate_proj", "nope"),
+            "shared_with": ([], ["model.layers.0.self_attn.v_proj"], [SQUARE])}
+
+
+def _variants(field, value):
+    """The edits of one field (the edited-layout grammar): deleted, null, of another type, and near
+    values of its own type: another valid name, a number one off, a list one entry longer or shorter
+    or with one entry changed, a checksum deleted, changed or added. Edits that leave the file as it
+    was are left out."""
+    yield from (v for v in _edits(field, value) if v is DROP or json.dumps(v) != json.dumps(value))
+
+
+def _edits(field, value):
+    yield from (DROP, None, 7 if isinstance(value, str) else "x")
+    yield from (c for c in _CHOICES.get(field, ()) if c != value)
+    if isinstance(value, bool):
+        yield not value
+    elif isinstance(value, (int, float)):
+        yield from (value + 1, value - 1, value * 2, float(value))
+    elif value is None:
+        yield from (0.5, 0, True)
+    elif isinstance(value, list) and value:
+        yield from (value[:-1], value + value[-1:], value[::-1])
+        first = value[0]
+        yield [first + 1 if isinstance(first, int) else [first[0] + 1] + first[1:]] + value[1:]
+    elif isinstance(value, dict):
+        key = sorted(value)[0]
+        yield {k: v for k, v in value.items() if k != key}
+        yield {**value, key: "0" * len(value[key])}
+        yield {**value, "extra": value[key]}
+
+
+@pytest.mark.parametrize("field", LAYOUT_FIELDS)
+def test_an_edited_layout_field_is_refused_by_name_or_loads_the_saved_model(saved_layout, tmp_path, field):
+    """Every edit of one field of a saved layer (grammar: :func:`_variants`): cc.hf.from_pretrained
+    either raises ValueError naming the file, the layer and the field, or returns the saved model's
+    logits exactly."""
+    saved, want = saved_layout
+    layers = json.loads((saved / "comera_tt.json").read_text())["layers"]
+    for index, fqn in ((i, e["fqn"]) for i, e in enumerate(layers) if e["fqn"] in (SQUARE, BOTTLENECK, SVD)):
+        assert sorted(layers[index]) == sorted(LAYOUT_FIELDS)  # a new field: give the grammar its values
+        for n, value in enumerate(_variants(field, layers[index][field])):
+            where = tmp_path / f"{index}-{n}"
+            try:
+                got = _load_edited(saved, where, _set_field(fqn, field, value))
+            except ValueError as err:
+                _assert_names(str(err), where, f"layers[{index}]", f"'{field}'")
+                assert field == "fqn" or f"'{fqn}'" in str(err)
+            else:
+                assert torch.equal(_logits(got, "llama"), want), (fqn, field, value)

@@ -54,8 +54,8 @@ class TTConfig:
       the rank bottleneck of a ``"tt"`` Linear, which then computes ``act(x L) R + b`` (CoLA's
       low-rank activation; ``L``: the row cores merged, ``R``: the column cores merged, the
       bottleneck's gate folded into ``L``). Needs ``fmt="tt"`` and random init; Linear and
-      ``Conv1D`` layers only. Such a layer has no dense weight: reading ``module.weight`` and
-      ``densify_`` raise. Its two GEMMs run as they are, under any backend; the tensor-network pass
+      ``Conv1D`` layers only. Such a layer has no dense weight: reading or assigning ``module.weight``
+      and ``densify_`` raise. Its two GEMMs run as they are, under any backend; the tensor-network pass
       leaves them to Inductor.
     """
 

@@ -85,7 +85,8 @@ class TTParametrization(nn.Module):
 
     Ranks are read from the core shapes, so rank pruning only re-lays out the flat Parameters
     (:meth:`relayout_`). Loading a state_dict whose ranks differ re-lays them out first. Assigning
-    ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks.
+    ``module.weight = W`` re-fits the cores to ``W`` by TT-SVD at the current ranks (a layer with an
+    activation has no dense weight: reading or assigning it raises).
     """
 
     activation: str | None = None  # the class default: a model pickled before the option existed has none
@@ -203,6 +204,13 @@ class TTParametrization(nn.Module):
         return F.linear(_ACTIVATIONS[self.activation](torch.matmul(x, left)), right.t(), bias)
 
     def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        """``module.weight = value``: the cores re-fitted to ``value`` by TT-SVD at the current ranks. A
+        layer with an activation raises (it computes ``act(x L) R``, which no dense weight sets)."""
+        if self.refit_on_assign and self.activation is not None:
+            raise RuntimeError(f"this tt layer computes {self.activation}(x L) R with TTConfig(activation="
+                               f"{self.activation!r}): a dense weight cannot be assigned to it (it has no dense "
+                               "weight: the layer would still compute act(x L) R + b, not x W^T + b); set its "
+                               "cores and gates, or tensorize_ it anew without an activation. Nothing was changed.")
         if self.refit_on_assign and value.numel():
             matrix = value.t() if self.transpose else value
             cores, err = tt.tt_svd(matrix.to(self.core_flat.dtype), self.spec)

@@ -12,6 +12,7 @@ weight is not kept (the parametrization's ``original`` is a zero-size, non-persi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import math
@@ -277,6 +278,7 @@ def _plan_shared(group: list[tuple[str, nn.Module]], selected: dict[str, TTConfi
     unsupported = [f"{f} ({type(m).__name__})" for f, m in group if _layout(m) is None]
     if unsupported:
         raise _Skip(f"tied with unsupported module(s) {unsupported}")
+    _check_one_config(group, selected)
     weights = [_check_module(m) for _, m in group]
     lead = next((i for i, (_, m) in enumerate(group) if isinstance(m, nn.Embedding)), 0)
     fqn, module = group[lead]
@@ -287,6 +289,20 @@ def _plan_shared(group: list[tuple[str, nn.Module]], selected: dict[str, TTConfi
         plan.std = float(weight.detach().float().std()) if weight.device.type != "meta" else plan.std
     plan.modules = [group[lead]] + [g for i, g in enumerate(group) if i != lead]
     return plan
+
+
+def _check_one_config(group: list[tuple[str, nn.Module]], selected: dict[str, TTConfig]) -> None:
+    """The modules of a tie that ``tied="share"`` makes one TT must be given one config (equal
+    TTConfigs); different ones raise ValueError naming the modules and the fields that differ."""
+    configs = [(f, selected[f]) for f, _ in group]
+    differ = [name for name in (fld.name for fld in dataclasses.fields(TTConfig))
+              if any(getattr(cfg, name) != getattr(configs[0][1], name) for _, cfg in configs)]
+    if differ:
+        values = "; ".join(f"{name}: " + ", ".join(f"{getattr(cfg, name)!r} for '{f}'" for f, cfg in configs)
+                           for name in differ)
+        raise ValueError(f"tensorize_(..., tied='share'): {_names([f for f, _ in configs])} share one weight, which "
+                         f"becomes one TT with one config, but their configs differ ({values}); give them the same "
+                         "TTConfig, or use tied='untie' for a TT of its own config each. Nothing was changed.")
 
 
 def _weight_key(module: nn.Module) -> int | None:
@@ -457,7 +473,8 @@ def tensorize_(
     the config selects, and one that returns False for all of them raises ValueError naming them.
     ``tied`` says what happens to modules sharing one weight (an embedding tied to the LM head):
     ``"skip"`` leaves them dense, ``"share"`` makes them one TT with shared cores (the embedding
-    reads rows of the [V, D] matrix, the head contracts with it), ``"untie"`` gives each its own TT.
+    reads rows of the [V, D] matrix, the head contracts with it; the config must be the same for
+    each of them, different ones raise ValueError), ``"untie"`` gives each its own TT.
     A layer that is already tensorized is re-factored by the new config from its current weight
     with ``init="svd"`` (TT-SVD to the new ranks). ``init="random"`` would discard its cores (what it
     learned) for new random ones: that raises ValueError naming the layers unless ``refactor=True``.
@@ -574,24 +591,32 @@ def tt_layout(model: nn.Module) -> list[dict]:
     return out
 
 
+def _restorable(modules: dict[str, nn.Module], name: str, field: str, seen: set[str]) -> nn.Module:
+    """The module ``name`` that a layout's ``field`` names: a supported layer, not yet tensorized,
+    named once in the layout."""
+    module = modules.get(name)
+    if module is None or _layout(module) is None:
+        raise ValueError(f"restore TT layers: the checkpoint tensorized '{name}' (field {field}), which this model "
+                         f"{'lacks' if module is None else f'has as a {type(module).__name__}'}")
+    if name in seen:
+        raise ValueError(f"restore TT layers: '{name}' is named by two layers (field {field}); a module holds one TT")
+    if tt_parametrization(module) is not None:
+        raise ValueError(f"restore TT layers: '{name}' (field {field}) is already tensorized")
+    seen.add(name)
+    return module
+
+
 def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
     """Re-apply the TT layers :func:`tt_layout` described to a freshly built ``model`` (same
     architecture), with the saved shapes; the cores are placeholders (zeros) until a state_dict is
     loaded. Modules that do not match the description raise ValueError before any layer changes."""
     model = unwrap_compiled(model)
     modules = dict(model.named_modules())
-    plans = []
+    plans, seen = [], set()
     for entry in layout:
         names = [entry["fqn"], *entry.get("shared_with", [])]
-        group = []
-        for name in names:
-            module = modules.get(name)
-            if module is None or _layout(module) is None:
-                raise ValueError(f"restore TT layers: the checkpoint tensorized '{name}', which this model "
-                                 f"{'lacks' if module is None else f'has as a {type(module).__name__}'}")
-            if tt_parametrization(module) is not None:
-                raise ValueError(f"restore TT layers: '{name}' is already tensorized")
-            group.append(module)
+        group = [_restorable(modules, name, "'fqn'" if i == 0 else "'shared_with'", seen)
+                 for i, name in enumerate(names)]
         spec = TTSpec(entry["fmt"], tuple(entry["row_modes"]), tuple(entry["col_modes"]),
                       tt.ranks_from_shapes(entry["fmt"], entry["core_shapes"]), int(entry["rows"]), int(entry["cols"]),
                       bool(entry["transpose"]))
@@ -599,7 +624,16 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
         shape = tuple(group[0].weight.shape)
         if shape != want:
             raise ValueError(f"restore TT layers: '{names[0]}' has a weight of shape {shape}; the checkpoint's TT "
-                             f"layer has {want}")
+                             f"layer has {want} (fields 'rows' {spec.rows}, 'cols' {spec.cols}, 'transpose' "
+                             f"{spec.transpose})")
+        other = next((n for n, m in zip(names, group) if tuple(m.weight.shape) != shape), None)
+        if other is not None:
+            raise ValueError(f"restore TT layers: '{other}' (field 'shared_with' of '{names[0]}') has a weight of "
+                             f"shape {tuple(modules[other].weight.shape)}; the TT it shares has {shape}")
+        embeddings = [n for n, m in zip(names, group) if isinstance(m, nn.Embedding)]
+        if entry.get("activation") is not None and embeddings:
+            raise ValueError(f"restore TT layers: '{names[0]}' has field 'activation' {entry['activation']!r}, which "
+                             f"applies to Linear layers; {embeddings} are embeddings")
         plans.append((entry, spec, group))
     for entry, spec, group in plans:
         weight = group[0].weight

@@ -463,6 +463,22 @@ def test_tied_share_refactors_and_untie_gives_each_its_own_tt():
     assert "tied with ['head'], which is not selected" in reasons["emb"]
 
 
+def test_tied_share_with_different_configs_raises_naming_the_modules_and_fields():
+    """One shared TT has one config: different configs for the tie's modules raise before any layer
+    changes, naming both modules and the fields that differ; equal configs (two dict entries) share."""
+    model = _tied_pair()
+    configs = {"head": TTConfig(fmt="tt", rank=4, activation="silu", min_size=0),
+               "emb": TTConfig(fmt="tt", rank=4, min_size=0)}
+    with pytest.raises(ValueError, match=r"tied='share'.*'emb'.*'head'.*activation.*None.*'silu'.*untie"):
+        tensorize_(model, configs, tied="share")
+    assert list(iter_tt_layers(model)) == [] and model["emb"].weight is model["head"].weight
+    with pytest.raises(ValueError, match=r"rank.*4.*6"):
+        tensorize_(model, {"emb": TTConfig(rank=4, min_size=0), "re:h.*": TTConfig(rank=6, min_size=0)}, tied="share")
+    tensorize_(model, {"emb": TTConfig(rank=4, min_size=0), "head": TTConfig(rank=4, min_size=0)}, tied="share")
+    (layer,) = list(iter_tt_layers(model))
+    assert layer.shared_with == ("head",)
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints and densify
 # ----------------------------------------------------------------------------------------------

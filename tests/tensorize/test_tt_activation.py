@@ -140,6 +140,18 @@ def test_no_dense_weight_and_densify_refuses_changing_nothing():
     assert "activation='relu'" in repr(net.fc1)
 
 
+def test_assigning_a_dense_weight_raises_and_changes_nothing():
+    """``module.weight = W`` cannot make ``act(x L) R + b`` compute ``x W^T + b``: it raises like reading
+    ``module.weight`` does, and the layer keeps its cores and its function."""
+    net = make("silu")
+    idx = torch.randint(0, 40, (5,))
+    before = net(idx).detach()
+    cores = net.fc1.parametrizations.weight[0].core_flat.detach().clone()
+    with pytest.raises(RuntimeError, match=r"'silu'.*assign.*no dense weight"):
+        net.fc1.weight = torch.randn(80, 48, dtype=torch.float64)
+    assert torch.equal(net.fc1.parametrizations.weight[0].core_flat, cores)
+    torch.testing.assert_close(net(idx), before, rtol=0, atol=0)
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"activation": "tanh"}, r"activation must be one of \[None, 'relu', 'gelu', 'silu'\]"),
     ({"activation": "relu"}, "needs fmt='tt'"),
@@ -174,6 +186,24 @@ def test_state_dict_and_layout_round_trip_exactly():
     plain = Net().double()
     restore_tt_layout_(plain, [{k: v for k, v in e.items() if k != "activation"} for e in layout])
     assert all(lay.param.activation is None for lay in cc.iter_tt_layers(plain))
+
+
+def test_restore_refuses_a_layout_the_model_does_not_fit_naming_the_field():
+    """restore_tt_layout_ checks a layout against the model before any layer changes: a module named by
+    two layers, a shared module of another shape, an activation on an embedding raise ValueError naming
+    the module and the field."""
+    layout = tt_layout(make("gelu"))
+    fc1, fc2 = (next(e for e in layout if e["fqn"] == name) for name in ("fc1", "fc2"))
+    for bad, match in (([fc1, fc2, dict(fc1)], r"'fc1' is named by two layers \(field 'fqn'\)"),
+                       ([{**fc1, "shared_with": ["fc2"]}], r"'fc2' \(field 'shared_with' of 'fc1'\).*\(48, 80\)")):
+        fresh = Net().double()
+        with pytest.raises(ValueError, match=match):
+            restore_tt_layout_(fresh, bad)
+        assert not list(cc.iter_tt_layers(fresh))
+    pair = nn.ModuleDict(dict(fc1=nn.Linear(48, 80), emb=nn.Embedding(80, 48))).double()
+    with pytest.raises(ValueError, match=r"'fc1' has field 'activation' 'gelu'.*\['emb'\] are embeddings"):
+        restore_tt_layout_(pair, [{**fc1, "shared_with": ["emb"]}])
+    assert not list(cc.iter_tt_layers(pair))
 
 
 def test_pruning_the_bottleneck_bond_keeps_the_function():
