@@ -105,7 +105,10 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
                         "torch.compile returned (its ._orig_mod)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"cc.hf.compile expects an nn.Module; got {type(model).__name__}")
-    CompileOptions.from_user(options, mode)  # a bad key or value raises here, not at the first step
+    from comera_compile.pass_manager import enabled_pass_names
+
+    # a bad key or value, or an unknown pass name, raises here, not at the first step
+    enabled_pass_names(CompileOptions.from_user(options, mode))
     if fused_loss:
         try:
             _check_pretrained(model, model)

@@ -87,6 +87,8 @@ def test_cc_compile_refuses_an_unknown_pass_name_before_the_first_call():
     with pytest.raises(OptionsError, match=r"unknown pass\(es\) \['no-such-pass'\].*registered passes: .*cce"):
         cc.compile(f, options={"passes": {"no-such-pass": True}})
     assert calls == []
+    with pytest.raises(OptionsError, match=r"unknown pass\(es\) \['no-such-pass'\]"):
+        cc.hf.compile(torch.nn.Linear(2, 2), options={"passes": {"no-such-pass": True}}, fused_loss=False)
     compiled = cc.compile(f, options={"inner": "eager", "passes": {"cce": False}})  # a known name: accepted
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
 
