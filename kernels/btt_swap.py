@@ -23,13 +23,10 @@ from typing import Optional
 
 import torch
 
-import logging
 
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
 __all__ = ["btt_blocks", "btt_blocks_backward", "btt_swap", "swap_blocks"]
-logger = logging.getLogger("comera_compile")
-_BROKEN: list[str] = []  # why the kernel could not run here (then the permute serves every later call)
 
 if HAS_TRITON:
     import triton
@@ -90,22 +87,17 @@ def _swap_triton(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
 
 def swap_blocks(x: torch.Tensor, impl: str = "auto", widen: bool = True) -> torch.Tensor:
     """``x [A, M, B, K] -> [B, M, A, K]``, contiguous: the Triton kernel (``impl="auto"`` on CUDA,
-    ``"triton"``) or ``permute(2, 1, 0, 3).contiguous()`` (``"torch"``, and ``"auto"`` on the CPU). Under
-    ``"auto"``, a kernel that fails to build or launch is reported once (a warning on the
-    ``comera_compile`` logger) and the permute serves from then on; ``"triton"`` raises. ``widen``
+    ``"triton"``) or ``permute(2, 1, 0, 3).contiguous()`` (``"torch"``, and ``"auto"`` on the CPU). A
+    kernel that fails to build or launch raises, under ``"auto"`` too: no call changes what a later
+    call runs. ``widen``
     (default): the kernel moves the ``K`` elements of each position as wider integers where ``K`` x
     the element size is a multiple of 4 or 8 bytes (the same bytes, so the same result)."""
     if x.dim() != 4:
         raise ValueError(f"btt_swap: expected a 4-D tensor [A, M, B, K], got shape {tuple(x.shape)}")
-    if use_triton(x, impl, op="btt_swap") and (impl == "triton" or not _BROKEN):
-        try:
-            return _swap_triton(x.contiguous(), widen)
-        except Exception as exc:  # a Triton build that cannot compile the kernel: stay correct, say so once
-            if impl == "triton":
-                raise
-            _BROKEN.append(f"{type(exc).__name__}: {exc}")
-            logger.warning("btt_swap: the Triton kernel failed (%s); using permute().contiguous() from now on "
-                           "(correct, slower)", _BROKEN[0].splitlines()[0][:300])
+    if use_triton(x, impl, op="btt_swap"):
+        # Whether Triton runs is decided by use_triton (the install, the device, impl=), never by an
+        # earlier call's failure: a kernel that fails raises, here and at every call.
+        return _swap_triton(x.contiguous(), widen)
     return x.permute(2, 1, 0, 3).clone(memory_format=torch.contiguous_format)  # a copy, never a view
 
 
