@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 
-
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
 __all__ = ["btt_blocks", "btt_blocks_backward", "btt_swap", "swap_blocks"]

@@ -6,7 +6,8 @@ fused loss's forward and backward kernels on an H200), which a compiled model wo
 step after Inductor is done. When the ``cce`` pass fuses a head on the GPU, :func:`schedule` starts a
 Python process that calls the fused loss forward and backward once on random tensors of the graph's
 shapes, strides and dtypes, on the same device and with the same Triton cache folder (where
-``TRITON_CACHE_DIR`` is unset, it is set to the folder Inductor would set at its first kernel). Its compiled
+``TRITON_CACHE_DIR`` is unset, the process gets the folder Inductor sets for this one at its first
+kernel; this process's environment is not changed). Its compiled
 kernels land in that cache; the model's first call then finds them there instead of compiling them.
 Nothing else is shared: the process's values are thrown away, a failure in it is only logged when the
 package's logger is at DEBUG, and a kernel it did not reach in time is compiled at the first call as
@@ -111,13 +112,13 @@ def schedule(job: Optional[dict]) -> bool:
         return False
     _scheduled.add(key)
     _reap()
-    if os.getenv("TRITON_CACHE_DIR") is None:
-        # the folder Inductor sets when it loads its first kernel (it keeps one already set): set now,
-        # so that this process and the job's use the same one
+    env = dict(os.environ)
+    if env.get("TRITON_CACHE_DIR") is None:
+        # the job's process writes where this one's kernels will look: the folder Inductor sets for this
+        # process when it loads its first kernel (this process's environment is left as it is)
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
-        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(job["device"])
-    env = dict(os.environ)
+        env["TRITON_CACHE_DIR"] = triton_cache_dir(job["device"])
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     try:
         proc = subprocess.Popen([sys.executable, "-m", "comera_compile.kernels.precompile"], stdin=subprocess.PIPE,

@@ -6,6 +6,7 @@ here: the op forward and backward through its torch path), and the pass's hand-o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -91,6 +92,29 @@ def test_the_process_runs_a_job_forward_and_backward(monkeypatch, tmp_path):
     assert proc.wait(timeout=300) == 0
     assert not precompile.schedule(job)
     assert not precompile.schedule(None)
+
+
+def test_scheduling_changes_no_environment_variable_of_this_process(monkeypatch):
+    """The job's process gets the Triton cache folder Inductor uses for this one; this process's own
+    environment stays as it was (no process-wide writes)."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(precompile, "_scheduled", set())
+    monkeypatch.setattr(precompile, "_running", [])  # the stand-in process is not left for the exit hook
+    started = []
+
+    class _Proc:
+        stdin = type("S", (), {"write": lambda self, b: None, "close": lambda self: None})()
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(k["env"]) or _Proc())
+    before = dict(os.environ)
+    assert precompile.schedule(_cpu_job())
+    assert dict(os.environ) == before
+    assert started[0]["TRITON_CACHE_DIR"] == triton_cache_dir(0)
 
 
 def test_no_process_where_the_interpreter_is_embedded(monkeypatch):
