@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 from typing import Any
 
@@ -44,12 +45,10 @@ def hash_sources(roots: list[str]) -> str:
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
     """The hash of comera_compile's sources (passes and kernels included) and torch's version."""
-    import comera_compile
-    import comera_compile.kernels
-    import comera_compile.passes
-
-    # passes/ and kernels/ are namespace packages (no __init__.py, no __file__): their one folder each
-    roots = {folder for m in (comera_compile, comera_compile.passes, comera_compile.kernels) for folder in m.__path__}
+    # this package's folder, and the folders of passes/ and kernels/ (namespace packages: no __file__)
+    roots = {os.path.dirname(os.path.abspath(__file__))}
+    roots |= {folder for name in ("comera_compile.passes", "comera_compile.kernels")
+              for folder in importlib.import_module(name).__path__}
     return hash_sources(sorted(roots)) + "-torch" + torch.__version__
 
 

@@ -391,7 +391,7 @@ def _tensorized(name: str) -> torch.nn.Module:
 
 
 def _layout(model):
-    from comera_compile.tensorize.transform import tt_layout
+    from comera_compile.tensorize.checkpoint import tt_layout
 
     return tt_layout(model)
 

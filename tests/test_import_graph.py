@@ -7,6 +7,8 @@ import ast
 import importlib
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # folder -> package, as pyproject.toml maps them
 PACKAGES = {"comera_compile": ROOT / "comera_compile", "comera_compile.passes": ROOT / "passes",
@@ -24,9 +26,10 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def _imports(path: pathlib.Path, modules: dict) -> tuple[set[str], list[str]]:
-    """The package modules ``path`` imports when it is imported (not inside functions, not for type
-    checking only), and every private name it imports from a package module."""
+def _imports(path: pathlib.Path, modules: dict, inside_functions: bool = False) -> tuple[set[str], list[str]]:
+    """The package modules ``path`` imports when it is imported (with ``inside_functions``, also those
+    its functions import when they run; never those for type checking only), and every private name
+    it imports from a package module."""
     eager: set[str] = set()
     private: list[str] = []
 
@@ -40,25 +43,30 @@ def _imports(path: pathlib.Path, modules: dict) -> tuple[set[str], list[str]]:
                 for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
                               *[h.body for h in getattr(node, "handlers", [])]):
                     visit(block, lazy)
+            elif isinstance(node, (ast.For, ast.While)):
+                visit(node.body + node.orelse, lazy)
             elif isinstance(node, ast.Import):
-                eager.update(a.name for a in node.names if a.name in modules and not lazy)
+                eager.update(a.name for a in node.names if a.name in modules and (inside_functions or not lazy))
             elif isinstance(node, ast.ImportFrom) and node.module in modules:
                 for alias in node.names:
                     target = f"{node.module}.{alias.name}"
                     if alias.name.startswith("_") and target not in modules:
                         private.append(f"from {node.module} import {alias.name}")
-                    if not lazy:
+                    if inside_functions or not lazy:
                         eager.add(target if target in modules else node.module)
 
     visit(ast.parse(path.read_text()).body, False)
     return eager, private
 
 
-def test_no_circles_and_no_private_names():
+@pytest.mark.parametrize("inside_functions", [False, True], ids=["at-import", "with-function-imports"])
+def test_no_circles_and_no_private_names(inside_functions):
+    """No circle between modules, counting the imports their functions make too (a function-level
+    import is no licence to import back up a floor)."""
     modules = _modules()
     graph, private = {}, []
     for name, path in modules.items():
-        deps, names = _imports(path, modules)
+        deps, names = _imports(path, modules, inside_functions)
         graph[name] = deps - {name}
         private += [f"{name}: {n}" for n in names]
     assert not private, private

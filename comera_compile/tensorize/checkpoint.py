@@ -3,7 +3,7 @@
 A ``save_pretrained``-style method (transformers' ``PreTrainedModel.save_pretrained``) writes the
 state_dict, which holds a tensorized layer's cores and gates, but nothing records which layers are
 tensor trains, in which format and at which ranks. :func:`save_with_layout` writes ``comera_tt.json``
-(:func:`~comera_compile.tensorize.transform.tt_layout`: every layer's name, the modules sharing it,
+(:func:`tt_layout`: every layer's name, the modules sharing it,
 format, modes, core shapes and gate sizes, so ranks after pruning) next to the method's files, and
 stores a TT that several modules share once, under its first module (safetensors refuses tensors
 shared between modules). :func:`keep_layout_on_save` makes the model's own ``save_pretrained`` do
@@ -28,13 +28,29 @@ from typing import Any, Callable
 from torch import nn
 
 from comera_compile.tensorize.config import ACTIVATIONS, INITS
-from comera_compile.tensorize.transform import tt_layout
+from comera_compile.tensorize.parametrization import iter_tt_layers
 from comera_compile.tt import FORMATS, TTSpec, ranks_from_shapes
 
 TT_FILE = "comera_tt.json"
 TT_FORMAT = 1
 TT_MARK = ".parametrizations.weight.0."  # in the state_dict key of every core and gate
 CHECKSUMS = "checksums"  # the field of a layer that holds the digests of its other fields
+
+
+def tt_layout(model: nn.Module) -> list[dict]:
+    """Every tensorized layer of ``model`` as a JSON-able dict: its name, the modules sharing it,
+    its format, modes and the actual core shapes and gate sizes (ranks after any pruning)."""
+    out = []
+    for layer in iter_tt_layers(model):
+        p = layer.param
+        out.append({
+            "fqn": layer.fqn, "shared_with": list(layer.shared_with), "kind": p.kind, "fmt": p.fmt,
+            "row_modes": list(p.row_modes), "col_modes": list(p.col_modes), "rows": p.rows, "cols": p.cols,
+            "transpose": bool(p.transpose), "core_shapes": [list(s) for s in p.core_shapes],
+            "gate_sizes": list(p.gate_sizes), "init": p.init, "init_error": p.init_error, "svd_tol": p.svd_tol,
+            "requires_grad": bool(p.core_flat.requires_grad), "activation": p.activation,
+        })
+    return out
 
 
 def save_with_layout(root: nn.Module, save: Callable[..., Any], save_directory: str | os.PathLike,

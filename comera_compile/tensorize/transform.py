@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 
 from comera_compile import tt
 from comera_compile.fx_utils import unwrap_compiled
+from comera_compile.tensorize.checkpoint import keep_layout_on_save
 from comera_compile.tensorize.compression import record_skipped
 from comera_compile.tensorize.config import TTConfig
 from comera_compile.tensorize.parametrization import (
@@ -529,20 +530,13 @@ def tensorize_(
     missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
     record_skipped(model, skipped)
     if plans:
-        _keep_layout_on_save(model)
+        keep_layout_on_save(model)  # a model's own save_pretrained (transformers') writes its TT layout
     if missed:
         tols = sorted({plan.config.svd_tol for plan in plans if plan.config.svd_tol is not None})
         warnings.warn(f"tensorize_: TTConfig(svd_tol={'/'.join(f'{t:g}' for t in tols)}) not reached by "
                       f"{len(missed)} layer(s): {'; '.join(missed)}. A larger rank reaches it, at the cost of "
                       "parameters; compression_report(model) lists every layer's error.", UserWarning, stacklevel=2)
     return model
-
-
-def _keep_layout_on_save(model: nn.Module) -> None:
-    """A model with a ``save_pretrained`` (transformers') writes its TT layout when it saves."""
-    from comera_compile.tensorize.checkpoint import keep_layout_on_save  # it imports this module
-
-    keep_layout_on_save(model)
 
 
 def _names(fqns: list[str], limit: int = 8) -> str:
@@ -575,22 +569,6 @@ def densify_(model: nn.Module) -> nn.Module:
 # ----------------------------------------------------------------------------------------------
 
 
-def tt_layout(model: nn.Module) -> list[dict]:
-    """Every tensorized layer of ``model`` as a JSON-able dict: its name, the modules sharing it,
-    its format, modes and the actual core shapes and gate sizes (ranks after any pruning)."""
-    out = []
-    for layer in iter_tt_layers(model):
-        p = layer.param
-        out.append({
-            "fqn": layer.fqn, "shared_with": list(layer.shared_with), "kind": p.kind, "fmt": p.fmt,
-            "row_modes": list(p.row_modes), "col_modes": list(p.col_modes), "rows": p.rows, "cols": p.cols,
-            "transpose": bool(p.transpose), "core_shapes": [list(s) for s in p.core_shapes],
-            "gate_sizes": list(p.gate_sizes), "init": p.init, "init_error": p.init_error, "svd_tol": p.svd_tol,
-            "requires_grad": bool(p.core_flat.requires_grad), "activation": p.activation,
-        })
-    return out
-
-
 def _restorable(modules: dict[str, nn.Module], name: str, field: str, seen: set[str]) -> nn.Module:
     """The module ``name`` that a layout's ``field`` names: a supported layer, not yet tensorized,
     named once in the layout."""
@@ -607,7 +585,7 @@ def _restorable(modules: dict[str, nn.Module], name: str, field: str, seen: set[
 
 
 def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
-    """Re-apply the TT layers :func:`tt_layout` described to a freshly built ``model`` (same
+    """Re-apply the TT layers :func:`~comera_compile.tensorize.checkpoint.tt_layout` described to a freshly built ``model`` (same
     architecture), with the saved shapes; the cores are placeholders (zeros) until a state_dict is
     loaded. Modules that do not match the description raise ValueError before any layer changes."""
     model = unwrap_compiled(model)
@@ -649,5 +627,5 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
             _register(module, param)
         param.refit_on_assign = True
     if plans:
-        _keep_layout_on_save(model)
+        keep_layout_on_save(model)  # a model's own save_pretrained (transformers') writes its TT layout
     return model

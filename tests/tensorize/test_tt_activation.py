@@ -14,7 +14,8 @@ from torch import nn
 import comera_compile as cc
 from comera_compile import tt
 from comera_compile.rank_adaptation import RankAdaptation
-from comera_compile.tensorize.transform import restore_tt_layout_, tt_layout
+from comera_compile.tensorize.checkpoint import tt_layout
+from comera_compile.tensorize.transform import restore_tt_layout_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
