@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from comera_compile._logging import logger
 from comera_compile.fx_utils import iter_graph_modules
-from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions, OptionsError
 from comera_compile.pass_manager import PassContext, enabled_pass_names, run_passes
 from comera_compile.report import GraphReport, active_report
@@ -37,7 +36,6 @@ def comera_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any =
         raise OptionsError(f"the comera backend got unexpected argument(s) {sorted(unexpected)}; "
                            "it takes options= (a dict of CompileOptions keys) or mode=")
     opts = CompileOptions.from_user(options, mode)
-    watch_optimizers()  # warns at the first step of an optimizer built before tensorize_
     return compile_graph(gm, example_inputs, opts)
 
 

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from comera_compile.fx_utils import unwrap_compiled
-from comera_compile.optimizer_check import watch_optimizers
 from comera_compile.options import CompileOptions
 from comera_compile.tensorize.checkpoint import TT_FILE, TT_MARK, read_layout, save_with_layout
 
@@ -96,9 +95,6 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
     Leave ``TrainingArguments(torch_compile=...)`` off: accelerate accepts only its own list of
     backend names, so ``torch_compile_backend="comera"`` fails when the ``Trainer`` is built
     (``'COMERA' is not a valid DynamoBackend``), and another backend would compile the model again.
-
-    It also installs the check that warns at an optimizer's first step when the optimizer was
-    built before ``cc.tensorize_`` (it then holds the emptied dense weights, not the TT cores).
     """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise TypeError("cc.hf.compile compiles the model in place: pass the model itself, not the wrapper "
@@ -121,7 +117,6 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
     if mode is not None:
         compile_kwargs["mode"] = mode
     model.compile(backend="comera", **compile_kwargs)
-    watch_optimizers()
     return model
 
 

@@ -1,4 +1,5 @@
-"""An optimizer built before tensorize_ never trains the TT cores: the backend warns at its first step."""
+"""An optimizer built before tensorize_ never trains the TT cores: it is warned about at its first step,
+eager or compiled; tensorize_ installs the check."""
 
 import warnings
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.optimizer_check import stale_parameters
+from comera_compile.tensorize.optimizer_check import stale_parameters
 
 
 def _model():
@@ -15,8 +16,8 @@ def _model():
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
-def _steps(model, optimizer, n=2):
-    compiled = torch.compile(model, backend="comera", options={"inner": "eager"})
+def _steps(model, optimizer, n=2, compiled=True):
+    compiled = torch.compile(model, backend="comera", options={"inner": "eager"}) if compiled else model
     caught = []
     for _ in range(n):
         with warnings.catch_warnings(record=True) as seen:
@@ -28,14 +29,15 @@ def _steps(model, optimizer, n=2):
     return caught
 
 
-def test_an_optimizer_built_before_tensorize_is_warned_about_once():
+@pytest.mark.parametrize("compiled", [True, False], ids=["comera", "eager"])
+def test_an_optimizer_built_before_tensorize_is_warned_about_once(compiled):
     model = _model()
     early = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: fqn == "0")
     (layer,) = cc.iter_tt_layers(model)
     cores = layer.param.core_flat.detach().clone()
     assert stale_parameters(early) == [(0, 0)]  # the emptied dense weight of layer 0
-    first, second = _steps(model, early)
+    first, second = _steps(model, early, compiled=compiled)
     (warning,) = first
     assert "holds 1 parameter(s) with no elements" in str(warning.message)
     assert "param_groups[0]['params'][0]" in str(warning.message) and "cc.param_groups" in str(warning.message)
@@ -54,15 +56,14 @@ def test_an_optimizer_built_after_tensorize_is_not_warned_about():
     assert not torch.equal(layer.param.core_flat.detach(), cores)
 
 
-@pytest.mark.parametrize("via", ["backend", "hf.compile"])
-def test_the_check_is_installed_by_the_backend_and_by_hf_compile(via, monkeypatch):
-    import comera_compile.optimizer_check as check
+def test_tensorize_installs_the_check_and_compiling_alone_does_not(monkeypatch):
+    import comera_compile.tensorize.optimizer_check as check
 
     installed = []
     monkeypatch.setattr(check, "_handle", None)
     monkeypatch.setattr(check, "register_optimizer_step_pre_hook", lambda hook: installed.append(hook) or hook)
-    if via == "backend":
-        torch.compile(nn.Linear(2, 2), backend="comera", options={"inner": "eager"})(torch.randn(1, 2))
-    else:
-        cc.hf.compile(nn.Linear(2, 2), fused_loss=False)
+    torch.compile(nn.Linear(2, 2), backend="comera", options={"inner": "eager"})(torch.randn(1, 2))
+    cc.hf.compile(nn.Linear(2, 2), fused_loss=False)
+    assert installed == []  # no tensorize_, no hook
+    cc.tensorize_(_model(), cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: fqn == "0")
     assert len(installed) == 1

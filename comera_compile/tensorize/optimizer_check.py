@@ -4,8 +4,9 @@
 weight ``Parameter`` object is emptied in place (it becomes a tensor with no elements) and is no
 longer part of the model. An optimizer built before ``tensorize_`` still holds that empty tensor and
 not the cores: its steps update nothing in the tensorized layers, and nothing raises. The check runs
-once per optimizer, at its first ``step()``, through one global optimizer step pre-hook that the
-comera backend and :func:`comera_compile.hf.compile` install (:func:`watch_optimizers`).
+once per optimizer, at its first ``step()``, eager or compiled, through one optimizer step pre-hook
+that ``tensorize_`` installs the first time it tensorizes a layer (:func:`watch_optimizers`); a
+process that never tensorizes has none.
 """
 
 from __future__ import annotations

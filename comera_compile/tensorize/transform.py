@@ -31,6 +31,7 @@ from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.tensorize.checkpoint import keep_layout_on_save
 from comera_compile.tensorize.compression import record_skipped
 from comera_compile.tensorize.config import TTConfig
+from comera_compile.tensorize.optimizer_check import watch_optimizers
 from comera_compile.tensorize.parametrization import (
     TTParametrization,
     bottleneck_forward,
@@ -531,6 +532,7 @@ def tensorize_(
     record_skipped(model, skipped)
     if plans:
         keep_layout_on_save(model)  # a model's own save_pretrained (transformers') writes its TT layout
+        watch_optimizers()  # an optimizer built before this call warns at its first step
     if missed:
         tols = sorted({plan.config.svd_tol for plan in plans if plan.config.svd_tol is not None})
         warnings.warn(f"tensorize_: TTConfig(svd_tol={'/'.join(f'{t:g}' for t in tols)}) not reached by "
@@ -628,4 +630,5 @@ def restore_tt_layout_(model: nn.Module, layout: list[dict]) -> nn.Module:
         param.refit_on_assign = True
     if plans:
         keep_layout_on_save(model)  # a model's own save_pretrained (transformers') writes its TT layout
+        watch_optimizers()  # an optimizer built before this call warns at its first step
     return model
