@@ -530,6 +530,12 @@ def tensorize_(
         _prepare(plan)
     missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
     record_skipped(model, skipped)
+    if not plans and not any(tt_parametrization(modules[f]) is not None for f in candidates):
+        reasons = "; ".join(f"'{f}': {why}" for f, (_, why) in list(skipped.items())[:8])
+        more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
+        warnings.warn(f"tensorize_ tensorized no layer of this {type(model).__name__}"
+                      + (f": {reasons}{more}. compression_report(model) lists every layer left dense and why"
+                         if skipped else ": it has no Linear, Embedding or Conv1D layer"), UserWarning, stacklevel=2)
     if plans:
         keep_layout_on_save(model)  # a model's own save_pretrained (transformers') writes its TT layout
         watch_optimizers()  # an optimizer built before this call warns at its first step

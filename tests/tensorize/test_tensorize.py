@@ -871,3 +871,21 @@ def test_balanced_init_gives_every_core_one_std_and_the_weight_its_variance(fmt)
         assert sum(variances) / len(variances) == pytest.approx(0.02**2, rel=0.1)
     assert max(stds["balanced"]) / min(stds["balanced"]) < 1.2  # sample stds of cores of 144+ entries
     assert max(stds["random"]) / min(stds["random"]) > 2  # the last core, of right rank 1
+
+
+def test_tensorizing_nothing_warns_with_each_layers_reason():
+    import comera_compile as cc
+
+    """tensorize_ never does nothing silently: a model none of whose layers would get smaller is named
+    in a warning with each layer's reason, and nothing changes."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match=r"tensorized no layer of this Sequential: '0': .*min_size.*'1': "):
+        cc.tensorize_(model, cc.TTConfig(rank=32))
+    assert not list(cc.iter_tt_layers(model))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match="has no Linear, Embedding or Conv1D layer"):
+        cc.tensorize_(nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model that is tensorized gets no such warning
+        cc.tensorize_(nn.Sequential(nn.Linear(256, 256)), cc.TTConfig(rank=4))
