@@ -480,6 +480,8 @@ def tensorize_(
     A layer that is already tensorized is re-factored by the new config from its current weight
     with ``init="svd"`` (TT-SVD to the new ranks). ``init="random"`` would discard its cores (what it
     learned) for new random ones: that raises ValueError naming the layers unless ``refactor=True``.
+    A transformers model loaded by ``from_pretrained`` whose layers get ``init="random"`` cores is warned
+    about: those cores replace the loaded weights (``init="svd"`` factors them instead).
     With ``svd_tol``, a layer whose rank cap stops TT-SVD short of the tolerance is named in one
     ``UserWarning`` with the error it reached (also in :func:`compression_report`).
     Invalid ranks or modes raise ValueError before any layer changes; every Linear-like layer that
@@ -526,6 +528,7 @@ def tensorize_(
                          f"{_names([f for f, _ in discard])} (and what they learned) with new random ones; pass "
                          "refactor=True to do that, use init='svd' to re-factor their current weights to the new config, or leave "
                          "them out with filter_fn or the config dict. Nothing was changed.")
+    _warn_if_pretrained_weights_are_dropped(model, plans)
     for plan in plans:
         _prepare(plan)
     missed = [m for m in (_apply(plan) for plan in plans) if m is not None]
@@ -545,6 +548,17 @@ def tensorize_(
                       f"{len(missed)} layer(s): {'; '.join(missed)}. A larger rank reaches it, at the cost of "
                       "parameters; compression_report(model) lists every layer's error.", UserWarning, stacklevel=2)
     return model
+
+
+def _warn_if_pretrained_weights_are_dropped(model: nn.Module, plans: list) -> None:
+    """A model loaded with weights (transformers' ``from_pretrained`` records where from) whose layers
+    get ``init="random"`` cores loses those weights: say so, and how to keep them (``init="svd"``)."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    dropped = [f for plan in plans if plan.config.init != "svd" for f, _ in plan.modules]
+    if source and dropped:
+        warnings.warn(f"tensorize_: this model was loaded from {source!r}, and TTConfig(init='random') replaces the "
+                      f"loaded weights of {_names(dropped)} with new random cores (what they learned is lost). "
+                      "TTConfig(init='svd') factors the loaded weights instead.", UserWarning, stacklevel=3)
 
 
 def _names(fqns: list[str], limit: int = 8) -> str:

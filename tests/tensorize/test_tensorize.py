@@ -889,3 +889,26 @@ def test_tensorizing_nothing_warns_with_each_layers_reason():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a model that is tensorized gets no such warning
         cc.tensorize_(nn.Sequential(nn.Linear(256, 256)), cc.TTConfig(rank=4))
+
+
+def test_random_cores_over_loaded_weights_are_warned_about(tmp_path):
+    """A transformers model loaded by from_pretrained, tensorized with init='random', loses its loaded
+    weights: the warning names the source, the layers and init='svd'. A model built fresh, or one
+    factored by init='svd', is not warned about."""
+    transformers = pytest.importorskip("transformers")
+    import comera_compile as cc
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    pick = dict(filter_fn=lambda m, fqn: fqn.endswith("mlp.up_proj"))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"loaded from .*model.layers.0.mlp.up_proj.*init='svd'"):
+        cc.tensorize_(loaded, cc.TTConfig(rank=4, min_size=0), **pick)
+    for model, config in ((transformers.LlamaForCausalLM(cfg), cc.TTConfig(rank=4, min_size=0)),
+                          (transformers.LlamaForCausalLM.from_pretrained(tmp_path),
+                           cc.TTConfig(rank=4, min_size=0, init="svd"))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cc.tensorize_(model, config, **pick)
+        assert not [w for w in seen if "loaded from" in str(w.message)]
