@@ -258,6 +258,7 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, 
     else:
         layout = read_layout(tt_path)
     config = transformers.AutoConfig.from_pretrained(path)
+    _check_model_class(cls, config, path)
     build = getattr(cls, "from_config", None) or cls._from_config
     model = build(config, **kwargs)
     try:
@@ -266,6 +267,17 @@ def from_pretrained(cls: Any, pretrained_model_name_or_path: str | os.PathLike, 
         raise ValueError(f"{tt_path}: {e}") from None
     _load_strict(model, state, layout, path)
     return model.eval()
+
+
+def _check_model_class(cls: Any, config: Any, path: str) -> None:
+    """A model class for another architecture than the saved config's raises, naming both."""
+    expected = getattr(cls, "config_class", None)  # a model class; Auto classes pick theirs from the config
+    if isinstance(expected, type) and not isinstance(config, expected):
+        saved = ", ".join(getattr(config, "architectures", None) or []) or type(config).__name__
+        raise ValueError(f"cc.hf.from_pretrained({getattr(cls, '__name__', cls)}, {path!r}): the checkpoint is a "
+                         f"{type(config).__name__} model ({saved}), and {getattr(cls, '__name__', cls)} builds from a "
+                         f"{expected.__name__}; pass the saved architecture's class, or an Auto class such as "
+                         "transformers.AutoModelForCausalLM")
 
 
 def _load_weights(path: str) -> dict[str, torch.Tensor]:

@@ -761,3 +761,19 @@ def test_an_edited_layout_field_is_refused_by_name_or_loads_the_saved_model(save
                 assert field == "fqn" or f"'{fqn}'" in str(err)
             else:
                 assert torch.equal(_logits(got, "llama"), want), (fqn, field, value)
+
+
+def test_from_pretrained_with_another_architectures_class_names_both(tmp_path):
+    """The wrong model class raises a ValueError naming the saved architecture and the class given (it
+    raised an unrelated AttributeError from deep in the config); the right class and an Auto class load."""
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: fqn.endswith("mlp.up_proj"))
+    cc.hf.save_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaConfig model \(LlamaForCausalLM\).*GPT2Config"):
+        cc.hf.from_pretrained(transformers.GPT2LMHeadModel, tmp_path)
+    ids = torch.randint(0, 64, (1, 6))
+    want = model.eval()(ids).logits
+    for cls in (transformers.LlamaForCausalLM, transformers.AutoModelForCausalLM):
+        torch.testing.assert_close(cc.hf.from_pretrained(cls, tmp_path)(ids).logits, want)
