@@ -10,7 +10,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-_PREFIX = re.compile(r"^[LG]\['[^']*'\]\.?")  # the local or global the model was reached through
+# the local or global the model was reached through; a wrapper's ``*args`` with the module first
+# (accelerate's mixed-precision forward: ``L['args'][0]``) counts as that local too
+_PREFIX = re.compile(r"^[LG]\['args'\]\[\d+\]\.?|^[LG]\['[^']*'\]\.?")
 _BRACKET = re.compile(r"\.?_modules\['([^']*)'\]|\['([^']*)'\]")
 # Attributes through which wrappers hold the user's module: torch.compile, activation checkpointing,
 # FSDP1, and a bound method's module (a wrapper that calls ``model.forward``).
@@ -34,8 +36,8 @@ class Declined(Exception):
 def clean_module_name(name: str) -> str:
     """The user's name of a module from Dynamo's qualified name.
 
-    ``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` / ``"G['model'].lm_head"`` ->
-    ``"layers.0.mlp"`` / ``"h"`` / ``"lm_head"``; wrapper attributes (``_orig_mod`` of a compiled
+    ``"L['self'].layers[0].mlp"`` / ``"L['self']._modules['h']"`` / ``"G['model'].lm_head"`` /
+    ``"L['args'][0].lm_head"`` -> ``"layers.0.mlp"`` / ``"h"`` / ``"lm_head"`` / ``"lm_head"``; wrapper attributes (``_orig_mod`` of a compiled
     submodule, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``, a bound method's
     ``__self__``) are dropped.
     """

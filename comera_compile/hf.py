@@ -20,6 +20,7 @@ core shapes, i.e. its ranks after any pruning) goes to ``comera_tt.json`` beside
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -150,16 +151,16 @@ def _check_pretrained(model: Any, root: Any) -> None:
 class _DroppingForward:
     """``model.forward`` under :func:`fused_loss`: the class's forward, then :func:`without_logits`
     in training. It holds the module the way a bound method does (``__self__``, ``__func__``), so
-    ``copy.deepcopy`` rebinds it to the copy, and module names in ``explain`` stay the user's."""
+    ``copy.deepcopy`` rebinds it to the copy, and module names in ``explain`` stay the user's. Its
+    ``__func__`` drops the logits itself: accelerate's mixed precision (``Trainer(bf16=True)``) wraps
+    ``model.forward.__func__`` in autocast and an fp32 cast of the outputs, and that wrapper keeps the
+    dropping (the fp32 cast would otherwise be one more user of the logits, and nothing fused)."""
 
     def __init__(self, module: nn.Module, func: Any) -> None:
-        self.__self__, self.__func__ = module, func
+        self.__self__, self.__func__ = module, _dropping_logits(func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.__func__(self.__self__, *args, **kwargs)
-        if self.__self__.training and torch.is_grad_enabled():
-            return without_logits(output, kwargs.get("labels") is not None)
-        return output
+        return self.__func__(self.__self__, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:  # transformers' Trainer reads forward's parameters
@@ -167,6 +168,20 @@ class _DroppingForward:
 
     def __repr__(self) -> str:
         return f"<fused_loss forward of {type(self.__self__).__name__}>"
+
+
+def _dropping_logits(func: Any) -> Any:
+    """``func`` (a model class's forward), then :func:`without_logits` while training with grad on;
+    the signature stays ``func``'s (``functools.wraps``: ``Trainer`` reads it)."""
+
+    @functools.wraps(func)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        output = func(self, *args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            return without_logits(output, kwargs.get("labels") is not None)
+        return output
+
+    return forward
 
 
 def without_logits(output: Any, has_loss: bool = True) -> Any:

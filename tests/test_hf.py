@@ -281,6 +281,32 @@ def test_trainer_on_hf_compile_fuses_the_loss_and_matches_eager(tmp_path):
     assert not [s for s in report.skipped if "rolled back" in s.reason], str(report)
 
 
+def test_trainer_with_bf16_mixed_precision_fuses_the_loss_and_lowers_the_tt_layers(tmp_path):
+    """TrainingArguments(bf16=True): accelerate wraps model.forward.__func__ in autocast and an fp32 cast
+    of the outputs. The loss is still fused (the logits were dropped inside that wrapper, so the cast
+    does not use them), the TT layers are lowered, the module keeps the user's name (not "0.lm_head"),
+    and the losses match an eager bf16 Trainer run within bf16 tolerance."""
+    pytest.importorskip("accelerate")
+    rows = _lm_rows()
+
+    def tensorized():
+        model = make_model("llama")
+        cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: ".mlp." in fqn)
+        return model
+
+    want_losses, want_eval, _ = _run_trainer(tensorized(), tmp_path, rows, bf16=True)
+    model = tensorized()
+    cc.hf.compile(model, options=OPTIONS)
+    losses, eval_loss, report = _run_trainer(model, tmp_path, rows, bf16=True)
+    torch.testing.assert_close(losses, want_losses, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(eval_loss, want_eval, rtol=3e-2, atol=3e-2)
+    training = [g for g in report.graph_reports if any(r.kind == "cce" for r in g.rewrites)]
+    assert training, str(report)
+    kinds = [(r.kind, r.module) for r in training[0].rewrites]
+    assert ("cce", "lm_head") in kinds, str(report)
+    assert sum(kind == "tt_linear" for kind, _ in kinds) == 3, str(report)
+
+
 def test_trainer_on_torch_compile_wrapper_and_comera_training_args_fail_as_documented(tmp_path):
     """What the README tells Trainer users not to do, pinned so the README stays true: the wrapper
     torch.compile returns drops every column, and TrainingArguments' torch_compile_backend takes
