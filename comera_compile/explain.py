@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def _options_of_compiled(model: Any) -> Any:
 def _in_place_context(model: Any) -> Any:
     """The Dynamo context of ``nn.Module.compile``'s ``_compiled_call_impl`` (held in its closure)."""
     function = getattr(model, "_compiled_call_impl", None) if isinstance(model, nn.Module) else None
+    function = inspect.unwrap(function) if callable(function) else function  # cc.hf.compile's config scope
     for cell in getattr(function, "__closure__", None) or ():
         try:
             value = cell.cell_contents

@@ -93,6 +93,12 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
     received was empty"), its parameter names and its ``state_dict`` keys. Keyword arguments
     (``dynamic=``, ``fullgraph=``) go to ``torch.compile``.
 
+    ``TrainingArguments(gradient_checkpointing=True)`` works: the model's calls are traced with
+    Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (the context variables transformers'
+    checkpointed layers set are not set again in their recompute), and the fused-loss forward passes
+    ``use_cache=False`` in training, as transformers would; the checkpointed layers then compile with
+    the rest, tensor-train layers lowered and the loss fused.
+
     Leave ``TrainingArguments(torch_compile=...)`` off: accelerate accepts only its own list of
     backend names, so ``torch_compile_backend="comera"`` fails when the ``Trainer`` is built
     (``'COMERA' is not a valid DynamoBackend``), and another backend would compile the model again.
@@ -118,7 +124,30 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
     if mode is not None:
         compile_kwargs["mode"] = mode
     model.compile(backend="comera", **compile_kwargs)
+    model._compiled_call_impl = _checkpointing_scope(model._compiled_call_impl)
     return model
+
+
+def _checkpointing_scope(compiled: Any) -> Any:
+    """``compiled`` (the module's in-place compiled call) traced with forward side effects inside
+    activation-checkpointed layers left out of their recompute: transformers' layers under
+    ``gradient_checkpointing`` set context variables there (Hugging Face's hub-kernels layer, output
+    capturing), and Dynamo refuses such a side effect unless told not to replay it, running every
+    checkpointed layer eagerly: no tensor-train lowering, no fused loss. The setting applies to this
+    model's calls only."""
+
+    if not hasattr(torch._dynamo.config, _SKIP_SIDE_EFFECTS):  # a torch without the setting
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(**{_SKIP_SIDE_EFFECTS: True}):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+_SKIP_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 _fused_loss = fused_loss  # compile's parameter of the same name shadows the function there
@@ -174,8 +203,15 @@ def _dropping_logits(func: Any) -> Any:
     """``func`` (a model class's forward), then :func:`without_logits` while training with grad on;
     the signature stays ``func``'s (``functools.wraps``: ``Trainer`` reads it)."""
 
+    takes_use_cache = "use_cache" in inspect.signature(func).parameters
+
     @functools.wraps(func)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if takes_use_cache and "use_cache" not in kwargs and self.training and torch.is_grad_enabled() \
+                and getattr(self, "is_gradient_checkpointing", False):
+            # what transformers sets itself under gradient checkpointing, but after a logging call
+            # that Dynamo cannot trace (a graph break before every checkpointed layer)
+            kwargs["use_cache"] = False
         output = func(self, *args, **kwargs)
         if self.training and torch.is_grad_enabled():
             return without_logits(output, kwargs.get("labels") is not None)

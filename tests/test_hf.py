@@ -307,6 +307,34 @@ def test_trainer_with_bf16_mixed_precision_fuses_the_loss_and_lowers_the_tt_laye
     assert sum(kind == "tt_linear" for kind, _ in kinds) == 3, str(report)
 
 
+@pytest.mark.parametrize("reentrant", [None, False], ids=["default", "non-reentrant"])
+def test_trainer_with_gradient_checkpointing_fuses_the_loss_and_lowers_the_tt_layers(reentrant, tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): the checkpointed layers are traced with the rest
+    (one training graph: transformers' use_cache logging and the context variables its layers set did
+    break the graph before every layer, leaving 0 rewrites), the TT layers lowered and the loss fused;
+    the losses match an eager Trainer run with checkpointing."""
+    pytest.importorskip("accelerate")
+    rows = _lm_rows()
+    kwargs = dict(gradient_checkpointing=True,
+                  gradient_checkpointing_kwargs=None if reentrant is None else {"use_reentrant": reentrant})
+
+    def tensorized():
+        model = make_model("llama")
+        cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: ".mlp." in fqn)
+        return model
+
+    want_losses, want_eval, _ = _run_trainer(tensorized(), tmp_path, rows, **kwargs)
+    model = tensorized()
+    cc.hf.compile(model, options=OPTIONS)
+    losses, eval_loss, report = _run_trainer(model, tmp_path, rows, **kwargs)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(eval_loss, want_eval, rtol=1e-4, atol=1e-5)
+    training = [g for g in report.graph_reports if any(r.kind == "cce" for r in g.rewrites)]
+    assert len(training) == 1, str(report)
+    kinds = [(r.kind, r.module) for r in training[0].rewrites]
+    assert ("cce", "lm_head") in kinds and sum(kind == "tt_linear" for kind, _ in kinds) == 3, str(report)
+
+
 def test_trainer_on_torch_compile_wrapper_and_comera_training_args_fail_as_documented(tmp_path):
     """What the README tells Trainer users not to do, pinned so the README stays true: the wrapper
     torch.compile returns drops every column, and TrainingArguments' torch_compile_backend takes
