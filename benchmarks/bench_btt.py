@@ -11,7 +11,7 @@ Layers as the width sweep's Llama blocks have them after ``tensorize_(model, TTC
 rank=1))``: ``qkv`` (three d -> d layers reading one input: one op with three outputs), ``o`` (d -> d),
 ``gate_up`` (two d -> ffn layers), ``down`` (ffn -> d); ``dense`` is the one GEMM with every output's
 weight stacked. Times: the median of CUDA events around one forward + backward (every gradient: the
-input's and the cores'), each after an L2 flush and a GPU spin (``bench_lowrank.cuda_time_ms``). The
+input's and the cores'), each after an L2 flush and a GPU spin (``gpu_timing.cuda_time_ms``). The
 blocks path is checked against a float64 reference first (relative error of the outputs, of dx and of the
 cores' gradients).
 ``floor``: the bytes a layer cannot avoid (x twice, the outputs, their gradients and dx, once each) at
@@ -69,7 +69,7 @@ def rel(a, b) -> float:
 
 
 def run_layer(name, d_in, d_outs, rank, n, args, device, dtype) -> list[dict]:
-    from bench_lowrank import cuda_time_ms
+    from gpu_timing import cuda_time_ms
 
     gen = torch.Generator(device=device).manual_seed(0)
     x, first, seconds = op_inputs(d_in, d_outs, rank, n, device, dtype, gen)

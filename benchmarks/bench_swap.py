@@ -11,7 +11,7 @@ the blocks path runs it (rank > 1: the K elements of a position moved as one wid
 Each layer ``d_in -> d_out`` at rank ``r`` over ``n`` tokens has its blocks from ``tensorize_``
 (``TTConfig(fmt="btt")``: ``d_in = b1 x b2``, ``d_out = c x a``); its forward swaps ``[b1, n, c, r]``, its
 backward ``[c, n, b1, r]``. Times: the median of CUDA events around one call, each after an L2 flush and
-a GPU spin (``bench_lowrank.cuda_time_ms``); ``TB/s``: bytes read and written over the time; ``x copy``:
+a GPU spin (``gpu_timing.cuda_time_ms``); ``TB/s``: bytes read and written over the time; ``x copy``:
 the time over the plain copy's.
 """
 
@@ -62,7 +62,7 @@ def main(argv=None) -> list[dict]:
     device = "cpu" if smoke else "cuda"
     n = 16 if smoke else args.tokens
     if not smoke:
-        from bench_lowrank import cuda_time_ms
+        from gpu_timing import cuda_time_ms
     rows = []
     print(f"{torch.cuda.get_device_name() if not smoke else 'cpu (smoke: no timing)'}, torch {torch.__version__}")
     print(f"{'layer':>22} {'swap':>4} {'shape [A, M, B, K]':>22} {'variant':>8} {'us':>8} {'TB/s':>6} {'x copy':>7}")
