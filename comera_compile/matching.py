@@ -16,7 +16,10 @@ built-in or custom, the same answers:
 * :func:`written_inputs` / :func:`first_write`: which tensors a node writes in place, and the first
   node of a stretch of the graph that writes into (a view or alias of) given values. A Dynamo graph is
   not functional: after ``h += 1`` the later uses of ``h`` are the same node, so a rewrite that moves a
-  read of ``h`` across that write changes the result.
+  read of ``h`` across that write changes the result. A write is read from the op itself, whatever its
+  name (its schema, an ``autograd.Function``'s forward that writes its input); an op whose writes are
+  unknown (a function from outside torch) counts as writing every input it takes, and
+  :func:`describe_write` says so for ``explain``.
 
 Example (a pass that only handles a plain ``a + b``)::
 
@@ -45,7 +48,8 @@ __all__ = [
     "ADD", "ADDMM", "CAST", "CROSS_ENTROPY", "DIV", "EMBEDDING", "FLATTEN", "GETITEM", "IDENTITY",
     "LINEAR", "LINEAR_CROSS_ENTROPY", "LOG_SOFTMAX", "MATMUL", "MUL", "NARROW", "NLL_LOSS", "PERMUTE",
     "RESHAPE", "SELECT", "SQUEEZE", "SUB", "TANH", "TRANSPOSE", "UNFLATTEN", "UNSQUEEZE",
-    "Bound", "bind", "call_name", "describe", "first_alias", "first_write", "graph_values", "is_call", "is_inplace", "is_method", "nodes_between",
+    "Bound", "bind", "call_name", "describe", "describe_write", "first_alias", "first_write", "graph_values", "is_call",
+    "is_inplace", "is_method", "memory_of", "nodes_between",
     "same_size", "writes", "written_inputs",
 ]
 
@@ -84,7 +88,12 @@ CAST = _ops(methods=("float", "double", "half", "bfloat16", "to", "type"))  # re
 
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
                                 operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                                operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                                 operator.setitem})
+# Dunder methods that write their first input (``x.__iadd__(y)``); every other dunder reads only.
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__"})
 
 
 def call_name(node: Any) -> str:
@@ -110,17 +119,28 @@ def is_method(node: Any, names: str | Iterable[str]) -> bool:
 
 
 def is_inplace(node: Any) -> bool:
-    """``node`` writes into one of its inputs: ``x.add_(y)``, ``x += y``, ``torch.tanh_(x)``, ``x[i] = y``."""
+    """``node`` writes into its first input by its name: an in-place method or function, whose name ends
+    in ``_`` (``x.add_(y)``, ``torch.tanh_(x)``, ``torch._foreach_mul_([x], 2)``), an in-place operator
+    (``x += y``, ``x[i] = y``) or an in-place dunder (``x.__iadd__(y)``, ``x.__setitem__(i, y)``)."""
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
         return False
     if node.target in _INPLACE_OPERATORS:
         return True
     name = call_name(node)
-    return name.endswith("_") and not name.startswith("_")
+    if name.startswith("__") and name.endswith("__"):
+        return name in _INPLACE_DUNDERS
+    return name.endswith("_")
 
 
-# Methods whose name ends in "_" but that change no tensor's values.
-_METADATA_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
+# Methods whose name ends in "_" (or whose schema says they write) but that change no tensor's values.
+_METADATA_ONLY = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "retain_grad", "record_stream"})
+# Where a call's writes are read from its name: torch's functions, Tensor methods and (by their own
+# convention, a trailing "_") torch's Python functions; Python's operators, builtins and math, which
+# write only as the in-place operators do; the passes' own runtime functions and einops', which write
+# nothing. A function from anywhere else (torch.compiler.allow_in_graph) writes what it likes.
+_NAMED_WRITES_MODULES = frozenset({"torch", "_operator", "operator", "builtins", "math", "comera_compile", "einops"})
+# Functions that write running statistics (training) that their schema does not declare.
+_RUNNING_STATS = frozenset({"batch_norm", "instance_norm"})
 
 
 def graph_values(value: Any) -> list[fx.Node]:
@@ -189,13 +209,131 @@ def _schema_writes(node: fx.Node) -> list[fx.Node] | None:
     return written
 
 
+@functools.lru_cache(maxsize=None)
+def _aten_writes(name: str) -> tuple[frozenset, frozenset]:
+    """(positions, keywords) of the tensor arguments that some overload of ``aten::<name>`` writes
+    (``_foreach_mul_``: position 0; ``_native_batch_norm_legit``: the running statistics; an ``out=``
+    overload: keyword ``out``). A written argument that holds no tensor (``aten::sort.int`` sorts a
+    list) does not count."""
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return frozenset(), frozenset()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return frozenset(), frozenset()
+    positions, keywords = set(), set()
+    for overload in packet.overloads():
+        positional = 0
+        for arg in getattr(packet, overload)._schema.arguments:
+            if _writes_tensors(arg):
+                keywords.add(arg.name)
+                if not arg.kwarg_only:
+                    positions.add(positional)
+            positional += not arg.kwarg_only
+    return frozenset(positions), frozenset(keywords)
+
+
+def _writes_tensors(arg: Any) -> bool:
+    """A schema argument whose tensors are written: ``Tensor(a!)``, ``Tensor(a!)[]`` (each element);
+    not ``Tensor[](a!)``, a list written as a container (``aten::sort.Tensor`` sorts the list)."""
+    info = arg.alias_info
+    if info is None or not info.is_write or "Tensor" not in str(arg.type):
+        return False
+    return not (isinstance(arg.type, torch.ListType) and info.before_set)
+
+
+def _owner(target: Any) -> str:
+    """The top-level module a called function comes from (``"torch"`` for a Tensor method called as a
+    function: ``torch.Tensor.add_(x, y)``); ``""`` when it does not say."""
+    if isinstance(getattr(target, "__objclass__", None), type) and issubclass(target.__objclass__, torch._C.TensorBase):
+        return "torch"
+    module = getattr(target, "__module__", None)
+    return module.split(".")[0] if isinstance(module, str) else ""
+
+
+def _arguments(node: fx.Node) -> dict[str, Any]:
+    """``node``'s arguments by name, as far as its signature (a Python function) or the schema of
+    the same name (torch's builtins, Tensor methods) tells; ``{}`` when neither fits."""
+    target = node.target
+    signature = _signature(target) if node.op == "call_function" and callable(target) else None
+    if signature is not None:
+        try:
+            return dict(signature.bind(*node.args, **node.kwargs).arguments)
+        except TypeError:
+            return {}
+    try:
+        packet = getattr(torch.ops.aten, call_name(node))
+        schema = getattr(packet, packet.overloads()[0])._schema
+    except (AttributeError, RuntimeError, IndexError):
+        return {}
+    names = [a.name for a in schema.arguments if not a.kwarg_only]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
+def _named_writes(node: fx.Node) -> list[fx.Node]:
+    """The inputs a call writes by its name: an in-place name's first input, the written arguments of
+    the aten schema of the same name, ``inplace=True``, ``out=``, the running statistics of a
+    ``batch_norm`` / ``instance_norm`` and the weight an ``embedding`` renormalizes (``max_norm=``)."""
+    name = call_name(node)
+    if name in _METADATA_ONLY:
+        return []
+    written: list[Any] = []
+    if is_inplace(node) or _inplace_flag(node):
+        written.append(_first_input(node))
+    if node.op == "call_method" or _owner(node.target) == "torch":
+        positions, keywords = _aten_writes(name)
+        written += [v for i, v in enumerate(node.args) if i in positions]
+        written += [v for k, v in node.kwargs.items() if k in keywords]
+    written.append(node.kwargs.get("out"))
+    if name in _RUNNING_STATS or "max_norm" in node.kwargs or name.startswith("embedding"):
+        args = _arguments(node)
+        if name in _RUNNING_STATS:
+            written += [args.get("running_mean"), args.get("running_var")]
+        if args.get("max_norm") is not None:
+            written.append(args.get("weight"))
+    return list(dict.fromkeys(graph_values(written)))
+
+
+def _subgraph_writes(node: fx.Node) -> list[fx.Node] | None:
+    """The operands a higher-order op (``autograd_function_apply``, ``wrap``, a checkpoint) writes:
+    those whose placeholder in one of its subgraphs (of an ``autograd.Function``: its forward's) is
+    written there, or a view or alias of it, matched to the operands by position. ``None`` when the op
+    has no subgraph to read, a written placeholder has no operand to match, or ``mark_dirty``
+    (``dirty_idx``) says the op writes an input the subgraphs do not show."""
+    owner = node.graph.owning_module
+    operands = [v for v in graph_values(node.args) + graph_values(node.kwargs) if v.op != "get_attr"]
+    bodies = [v for v in graph_values(node.args) if v.op == "get_attr"]
+    if call_name(node) == "autograd_function_apply":
+        bodies = bodies[:1]  # the forward (the backward writes into gradients, after the forward ran)
+    subs = [getattr(owner, attr.target, None) if owner is not None else None for attr in bodies]
+    if not subs or not all(isinstance(sub, fx.GraphModule) for sub in subs):
+        return None  # no subgraph to read (a Triton kernel's wrapper writes what its kernel writes)
+    written: list[fx.Node] = []
+    for sub in subs:
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        pairs = writes(sub.graph.nodes)
+        for k, placeholder in enumerate(placeholders):
+            if first_alias(pairs, [placeholder]) is None:
+                continue
+            if len(placeholders) != len(operands):
+                return None
+            written.append(operands[k])
+    if node.kwargs.get("dirty_idx") and not written:
+        return None
+    return list(dict.fromkeys(written))
+
+
 def written_inputs(node: fx.Node) -> list[fx.Node] | None:
     """The graph values ``node`` writes into in place: ``[]`` when it writes none, ``None`` when it
-    may write any of its inputs (a submodule or an op whose effects this module cannot read).
+    may write any of its inputs (an op this module does not know: a submodule, a function from outside
+    torch, a higher-order op whose writes cannot be matched to its operands).
 
-    Writes are in-place methods and functions (``x.mul_(2)``, ``torch.relu_(x)``, ``x += 1``,
-    ``x[i] = v``), ``inplace=True`` (``F.relu(x, inplace=True)``), ``out=`` and the written
-    arguments of a mutable ``torch.ops`` schema.
+    Writes are in-place methods and functions, whatever their name (``x.mul_(2)``, ``torch.relu_(x)``,
+    ``torch._foreach_mul_([x], 2)``, ``x += 1``, ``x[i] = v``), ``inplace=True``
+    (``F.relu(x, inplace=True)``), ``out=``, the written arguments of the op's schema (of a
+    ``torch.ops`` op, or of the aten op of the same name), the running statistics of a batch norm,
+    and what a higher-order op's subgraphs write into its operands (an ``autograd.Function`` that
+    writes its input and marks it dirty).
     """
     if node.op == "call_module":
         owner = node.graph.owning_module
@@ -209,15 +347,16 @@ def written_inputs(node: fx.Node) -> list[fx.Node] | None:
         return []
     if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return _schema_writes(node)
-    written: list[fx.Node] = []
-    if (is_inplace(node) and call_name(node) not in _METADATA_ONLY) or _inplace_flag(node):
-        written.extend(graph_values(_first_input(node)))
-    written.extend(graph_values(node.kwargs.get("out")))
-    return written
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return _subgraph_writes(node)
+    if node.op == "call_function" and _owner(node.target) not in _NAMED_WRITES_MODULES:
+        return None
+    return _named_writes(node)
 
 
-def _storage(value: Any) -> Any:
-    """A hashable identity of the memory behind a node's (fake) tensor value, or ``None``."""
+def memory_of(value: Any) -> Any:
+    """A hashable identity of the memory behind a node's (fake) tensor value, or ``None``: two values
+    with the same identity are views or aliases of one another."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     v = value.meta.get("example_value", value.meta.get("val")) if isinstance(value, fx.Node) else value
@@ -248,14 +387,23 @@ def first_write(nodes: Iterable[fx.Node], values: Iterable[Any]) -> tuple[fx.Nod
     return first_alias(writes(nodes), values)
 
 
+def describe_write(writer: fx.Node, value: fx.Node) -> str:
+    """How ``explain`` names a write found by :func:`first_write`: ``"... writes in place into h"``, or
+    for an op whose writes are unknown ``"... may write into h (...)"``."""
+    if written_inputs(writer) is None:
+        return (f"{describe(writer)} may write into {value.name} (an op whose writes the analysis does not "
+                "know counts as writing every input it takes)")
+    return f"{describe(writer)} writes in place into {value.name}"
+
+
 def first_alias(pairs: Iterable[tuple[fx.Node, fx.Node]], values: Iterable[Any]) -> tuple[fx.Node, fx.Node] | None:
     """The first of the ``(writer, written value)`` pairs (from :func:`writes`) whose written value
     is one of ``values`` or shares its memory; ``None`` if none is."""
     guarded = [v for v in values if isinstance(v, fx.Node)]
-    storages = {s for s in map(_storage, guarded) if s is not None}
-    plain = {v for v in guarded if _storage(v) is None}
+    storages = {s for s in map(memory_of, guarded) if s is not None}
+    plain = {v for v in guarded if memory_of(v) is None}
     for writer, value in pairs:
-        s = _storage(value)
+        s = memory_of(value)
         if value in plain or (s is not None and s in storages):
             return writer, value
     return None

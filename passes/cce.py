@@ -19,8 +19,11 @@ loss pairs with target ``r``, in the same order. Scalings are folded into ``h`` 
 
 The fused op reads ``h``, ``W``, the bias and any index tensor of the row ops where the loss is, not
 where the projection was. So a write between the two into any of them, or into a view or alias of
-one (``h += 1``, ``h[0] = 0``, ``F.relu(h, inplace=True)`` on an aux branch), leaves the loss as it is,
-naming the write: eager computed the logits before it.
+one (``h += 1``, ``h[0] = 0``, ``F.relu(h, inplace=True)`` on an aux branch, ``torch._foreach_mul_([h], c)``,
+an ``autograd.Function`` that marks ``h`` dirty; an op whose writes are unknown counts as writing its
+inputs), leaves the loss as it is, naming the write: eager computed the logits before it. In training a
+write after the loss does too: the op saves what it reads for its backward, where eager's projection
+may have saved none of it.
 
 Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
 fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
@@ -712,18 +715,26 @@ def _memory_note(head: _Head, decision: FusedLossDecision) -> str:
     return note
 
 
-def _check_no_write(head: _Head) -> None:
+def _check_no_write(head: _Head, ctx: PassContext) -> None:
     """Decline when a node between the projection and the loss writes into what the fused op reads
     there (the hidden states, the weight, the bias, an index tensor of the row ops), or into a view or
-    alias of it: eager formed the logits from the values before the write."""
+    alias of it: eager formed the logits from the values before the write. In training, where the op
+    saves what it reads for its backward, a write after the loss declines it too: eager's projection
+    may have saved none of it (a frozen head saves only its weight), and the backward would refuse."""
     read = [head.proj.h, head.proj.weight, head.proj.bias, head.values.bias]
     read += [n for _, args in head.rows for n in M.graph_values(args)]
     hit = M.first_write(M.nodes_between(head.proj.node, head.loss), read)
     if hit is not None:
-        writer, value = hit
-        raise Declined(f"{M.describe(writer)} writes in place into {value.name} (read by the projection "
-                    f"{M.describe(head.proj.node)}, or a view of what it reads) before the loss: eager formed the "
-                    "logits before that write, the fused op would read after it")
+        raise Declined(f"{M.describe_write(*hit)} (read by the projection {M.describe(head.proj.node)}, or a view "
+                       "of what it reads) before the loss: eager formed the logits before that write, the fused op "
+                       "would read after it")
+    if not ctx.training or not any(getattr(fake(t), "requires_grad", False) for t in read if t is not None):
+        return
+    hit = M.first_write(M.nodes_between(head.loss, head.loss.graph.output_node()), read)
+    if hit is not None:
+        raise Declined(f"{M.describe_write(*hit)} (read by the projection {M.describe(head.proj.node)}, or a view "
+                       "of what it reads) after the loss: the fused op saves what it reads for its backward, "
+                       "which would then refuse the written value")
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
@@ -735,7 +746,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
         if head is None:
             return False
         where = module_name(head.proj.node) or where
-        _check_no_write(head)
+        _check_no_write(head, ctx)
         options = _options(head, ctx)
         decision = _decide(head, ctx, options)
         if not decision.pays:

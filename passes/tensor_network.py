@@ -33,6 +33,13 @@ for the traced token count, and the site is rewritten into calls of
 
 Every argument of a matched node is checked; anything else is left alone with its reason in
 ``explain``. The rewritten graph never forms a weight the plan does not call for.
+
+What is shared keeps eager's numbers and gradients: a batched call reads what its members read (input,
+cores, bias) where the first of them is, so a member joins only if nothing writes into those in between
+(by any op: ``torch._foreach_*``, an ``autograd.Function`` marking its input dirty, an op whose writes are
+unknown); frozen layers share nothing with trainable ones (a frozen layer's site would save its input
+for a gradient eager never computes); and a layer whose output no gradient reaches shares nothing (the
+batched backward would give its cores zeros where eager gives none).
 """
 
 from __future__ import annotations
@@ -87,6 +94,8 @@ class _Site:
     plan: TTPlan | None = None
     output: tt_runtime.Output | str | None = None  # or one of ALONE: a site rewritten on its own
     pin_note: str = ""  # why the tt_strategy option did not apply at this site
+    frozen: bool = False  # the layer's weight needs no gradient (its cores are frozen, or no_grad)
+    dead: bool = False  # the weight needs a gradient, but none reaches the site's output
 
     @property
     def flats(self) -> tuple[fx.Node, fx.Node]:
@@ -183,9 +192,59 @@ def _check_no_write(site: _Site, graph_writes: list[tuple[fx.Node, fx.Node]]) ->
     not where eager materialized it, so a write in between would change what it reads."""
     hit = M.first_alias(graph_writes, list(site.flats))
     if hit is not None:
-        raise Declined(f"{M.describe(hit[0])} writes in place into {hit[1].name} (the layer's cores or gates): "
+        raise Declined(f"{M.describe_write(*hit)} (the layer's cores or gates): "
                        "the lowering reads them in one batched call ahead of the layer, eager where it "
                        "materialized the weight")
+
+
+def _needs_grad(node: Any) -> bool:
+    """Whether the value of ``node`` (a tensor, or any tensor of a tuple) needs a gradient."""
+    leaves = torch.utils._pytree.tree_leaves(fake(node))
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
+def _reached_by_gradients(graph: fx.Graph, graph_writes: list[tuple[fx.Node, fx.Node]]) -> set[fx.Node]:
+    """The nodes a gradient can reach from the graph's outputs: back from them along inputs that need
+    a gradient (a ``detach``, a ``no_grad`` region, an integer result stop it), and from a value that
+    one reaches to what a write put into it (``h.add_(k(x))``, also through a view of the value)."""
+    reached: set[fx.Node] = set()
+    memories: set[Any] = set()  # the memory of the reached values: a write into a view of one reaches it
+    pending = [(writer, value, M.memory_of(value)) for writer, value in graph_writes]
+    stack = [n for n in graph.output_node().all_input_nodes if _needs_grad(n)]
+    while stack:
+        while stack:
+            node = stack.pop()
+            if node not in reached:
+                reached.add(node)
+                memories.add(M.memory_of(node))
+                stack.extend(n for n in node.all_input_nodes if _needs_grad(n))
+        hit = [p for p in pending if p[1] in reached or (p[2] is not None and p[2] in memories)]
+        pending = [p for p in pending if p not in hit]
+        stack = [n for writer, _, _ in hit for n in writer.all_input_nodes if _needs_grad(n)]
+    return reached
+
+
+def _mark_gradients(sites: list[_Site], graph: fx.Graph, graph_writes: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Set each site's ``frozen`` (its weight needs no gradient) and ``dead`` (it needs one, but no
+    gradient reaches the site's output: unused, or used only through values that need none)."""
+    reached = _reached_by_gradients(graph, graph_writes) if sites else set()
+    for site in sites:
+        site.frozen = not _needs_grad(site.w)
+        site.dead = not site.frozen and site.node not in reached
+
+
+def _check_factored_bias(site: _Site, graph_writes: list[tuple[fx.Node, fx.Node]]) -> None:
+    """Decline a factored site (``linear(x @ F1, F2, bias)``) whose bias is written in place in the graph:
+    on that form torch's AOTAutograd (2.13) saves the bias and recomputes the bias add in the backward
+    after the write, so the gradients of what multiplies the layer's output come out wrong (the site
+    as written compiles right)."""
+    if site.output not in ("factors", "factors_t") or site.bias is None:
+        return
+    hit = M.first_alias(graph_writes, [site.bias])
+    if hit is not None:
+        raise Declined(f"{M.describe_write(*hit)} (the layer's bias): the factored form would let AOTAutograd "
+                       "recompute the bias add in the backward from the written bias (wrong gradients); left "
+                       "as it is")
 
 
 def _plan(site: _Site, ctx: PassContext) -> None:
@@ -236,9 +295,15 @@ class _Group:
 
 
 def _group_key(site: _Site) -> tuple:
+    """Layers share a batched merge when they have one structure, plan and dtype, and all of them need
+    their gradients or none does: a frozen layer's weight formed with trainable ones would need a
+    gradient, and its site would then save its input (which eager does not, and which a later write
+    may change). A layer whose output no gradient reaches is merged alone (with its own other uses):
+    a batched backward would give its cores zeros where eager gives none."""
     spec, core_flat = site.spec, site.flats[0]
     return (spec.fmt, spec.row_modes, spec.col_modes, spec.ranks, spec.rows, spec.cols, site.output, site.plan.cut,
-            fake(site.node).dtype, fake(core_flat).dtype, str(fake(core_flat).device))
+            fake(site.node).dtype, fake(core_flat).dtype, str(fake(core_flat).device), site.frozen,
+            site.w if site.dead else None)
 
 
 def _groups(sites: list[_Site], graph: fx.Graph) -> list[_Group]:
@@ -403,10 +468,14 @@ def _detail_alone(site: _Site) -> str:
 
 
 def _with_pin_note(site: _Site, text: str) -> str:
-    if not site.pin_note:
+    notes = [site.pin_note] * bool(site.pin_note)
+    if site.dead:
+        notes.append("no gradient reaches its output: rewritten outside the batched calls, so that its cores "
+                     "get none, as in eager")
+    if not notes:
         return text
     head, sep, rest = text.partition("\n")
-    return f"{head}; {site.pin_note}{sep}{rest}"
+    return f"{head}; {'; '.join(notes)}{sep}{rest}"
 
 
 def _shape(site: _Site) -> str:
@@ -435,14 +504,15 @@ def _shared_input(site: _Site, sites: list[_Site], done: set[int], home: dict, o
                   materialize: set) -> list[_Site]:
     """``site`` and the other factored sites not yet rewritten that read the same input in the same
     dtype and whose first factors exist before the earliest of them (in graph order: ``order``
-    numbers the sites' nodes and their groups' outputs)."""
-    if site.output not in ("factors", "factors_t"):
+    numbers the sites' nodes and their groups' outputs). A site whose output no gradient reaches
+    joins none: the shared GEMM's backward would give its first factor a zero gradient."""
+    if site.output not in ("factors", "factors_t") or site.dead:
         return [site]
     _refresh(site, materialize)
     dtype = fake(site.node).dtype
     batch = [site]
     for other in sites:
-        if other is site or id(other) in done or other.output not in ("factors", "factors_t"):
+        if other is site or id(other) in done or other.output not in ("factors", "factors_t") or other.dead:
             continue
         _refresh(other, materialize)
         if other.x is site.x and fake(other.node).dtype == dtype:
@@ -471,15 +541,17 @@ def _blocks_batch(site: _Site, sites: list[_Site], done: set[int], order: dict[f
     """``site`` and the other btt sites on the blocks path, not yet rewritten, that read the same input
     (``x @ M``) with the same row blocks, rank and column block size, in graph order: one
     :func:`~comera_compile.kernels.tt_runtime.btt_linear_shared` call placed before the first of them.
-    A site joins only if its flat cores and gates exist by then, no write into ``x`` separates it from
-    the first, and nothing writes into its output (the outputs are views of one buffer)."""
-    if site.output != "blocks" or not site.x_times_m:
+    A site joins only if its flat cores, gates and bias exist by then, no write into ``x``, its bias, cores
+    or gates separates it from the first (the call reads them all there), nothing writes into its output
+    (the outputs are views of one buffer), and a gradient reaches its output (else the shared backward
+    would give its cores zeros where eager gives none)."""
+    if site.output != "blocks" or not site.x_times_m or site.dead:
         return [site]
     _refresh(site, materialize)
     key = _blocks_key(site)
     batch = [site]
     for other in sites:
-        if other is site or id(other) in done or other.output != "blocks" or not other.x_times_m:
+        if other is site or id(other) in done or other.output != "blocks" or not other.x_times_m or other.dead:
             continue
         _refresh(other, materialize)
         if other.x is site.x and _blocks_key(other) == key:
@@ -493,8 +565,11 @@ def _blocks_batch(site: _Site, sites: list[_Site], done: set[int], order: dict[f
         inputs = [n for n in other.flats + (other.bias,) if isinstance(n, fx.Node)]
         if any(order.get(n, -1) >= order[first] for n in inputs):
             continue
-        if M.first_write(M.nodes_between(first, other.node), [site.x]) is not None:
+        between = M.writes(M.nodes_between(first, other.node))
+        if M.first_alias(between, [site.x]) is not None:
             break
+        if M.first_alias(between, inputs) is not None:  # its bias (or cores) as eager reads them at the site
+            continue
         kept.append(other)
     # the pass's one scan of the graph's writes (a write before a site cannot reach its new output)
     kept = [s for s in kept if M.first_alias(graph_writes, [s.node]) is None]
@@ -542,10 +617,12 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
             _check_shapes(site)
             _check_no_write(site, graph_writes)
             _plan(site, ctx)
+            _check_factored_bias(site, graph_writes)
         except Declined as reason:
             ctx.skip(NAME, str(reason), module_name(node))
             continue
         sites.append(site)
+    _mark_gradients(sites, graph, graph_writes)
     count = 0
     alone = [s for s in sites if s.output in ALONE]
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -98,7 +98,8 @@ def _elementwise(draw, p: Program, s: _State) -> None:
         "to_float32": "z = z.to(torch.float32)",
         "double": "z = z.double()",
         "add_constant": "z = z + 1.5",
-        "inplace": draw(st.sampled_from([f"z = z.clone()\n    z *= {c}", f"z = z.clone()\n    z.mul_({c})"])),
+        "inplace": draw(st.sampled_from([f"z = z.clone()\n    z *= {c}", f"z = z.clone()\n    z.mul_({c})",
+                                         f"z = z.clone()\n    torch._foreach_mul_([z], {c})"])),
         "clone": "z = z.contiguous()",
     }[op])
 
@@ -218,8 +219,12 @@ def _inputs(p: Program, seed: int):
     return [h, W, W.t().contiguous(), torch.randn(p.V, generator=g)], y
 
 
-def _run(fn, leaves, y, compiled: bool, backward: bool = True):
-    leaves = [t.clone().requires_grad_(backward) for t in leaves]
+def _run(fn, leaves, y, compiled: bool, backward: bool = True, requires_grad: bool | set[str] | None = None):
+    """The loss (and with ``backward`` the gradients) of ``fn`` on copies of ``leaves`` (h, W, Wt, b),
+    those that ``requires_grad`` names (all or none for a bool; default: ``backward``) needing one."""
+    needs = backward if requires_grad is None else requires_grad
+    leaves = [t.clone().requires_grad_(needs if isinstance(needs, bool) else name in needs)
+              for name, t in zip(("h", "W", "Wt", "b"), leaves)]
     report = None
     if compiled:
         torch._dynamo.reset()
@@ -237,7 +242,7 @@ def _run(fn, leaves, y, compiled: bool, backward: bool = True):
 
 def check_program(p: Program) -> bool:
     """Compiled == eager for ``p``; returns whether the cce pass rewrote it."""
-    namespace = {"torch": torch, "F": F}
+    namespace = dict(_NAMESPACE)
     exec(compile(p.source, "<fuzz program>", "exec"), namespace)
     fn = namespace["program"]
     leaves, y = _inputs(p, seed=len(p.source))
@@ -283,7 +288,34 @@ def test_fuzz_cce_matches_eager():
 
 EDGE_EXAMPLES = int(os.environ.get("COMERA_FUZZ_EDGE_EXAMPLES", "100"))
 _WRITES = ["{t} += 1", "{t}.mul_(0.5)", "{t}[0] = 0", "torch.relu_({t})", "F.relu({t}, inplace=True)",
-           "{t}.view(-1)[:1] = 2.0", "torch.nn.ReLU(inplace=True)({t})", "torch.mul({t}, 2.0, out={t})"]
+           "{t}.view(-1)[:1] = 2.0", "torch.nn.ReLU(inplace=True)({t})", "torch.mul({t}, 2.0, out={t})",
+           "torch._foreach_mul_([{t}], 0.5)", "torch._foreach_add_([{t}, W], 1.0)", "_Dirty.apply({t})",
+           "_opaque_scale({t})"]
+
+
+class _Dirty(torch.autograd.Function):
+    """Scales its input in place and says so (``ctx.mark_dirty``); Dynamo traces it where the input
+    needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(0.5)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+@torch.compiler.allow_in_graph
+def _opaque_scale(t):
+    """A function Dynamo keeps whole in the graph: its writes are unknown to the passes."""
+    t.mul_(0.5)
+    return t
+
+
+_NAMESPACE = {"torch": torch, "F": F, "_Dirty": _Dirty, "_opaque_scale": _opaque_scale}
 
 
 @dataclass
@@ -294,6 +326,8 @@ class EdgeProgram(Program):
     dtype: str = "float32"
     h_scale: float = 1.0
     where: str = ""  # for "write": before the projection, between it and the loss, or after the loss
+    read: bool = False  # for "write": the write's target is read by the projection (h, W, or its bias b)
+    target: str = ""  # for "write": what it writes (h, W, b or a view of h)
 
     def __repr__(self) -> str:
         return f"EdgeProgram(kind={self.kind}, dtype={self.dtype}, h_scale={self.h_scale}) " + super().__repr__()
@@ -304,17 +338,26 @@ def _reduction(draw) -> str:
 
 
 @st.composite
-def edge_programs(draw) -> EdgeProgram:
-    kind = draw(st.sampled_from(["write", "dtype", "confident"]))
+def edge_programs(draw, write: str | None = None) -> EdgeProgram:
+    """An edge program of a random class; with ``write`` (one of ``_WRITES``), always a write of that form."""
+    kind = "write" if write else draw(st.sampled_from(["write", "dtype", "confident"]))
     p = EdgeProgram(B=draw(st.integers(1, 3)), T=draw(st.integers(1, 5)), D=draw(st.integers(2, 9)),
                     V=draw(st.integers(3, 13)) if kind != "confident" else 40, ignore_index=-100, kind=kind)
     loss = f"F.cross_entropy(z.reshape(-1, {p.V}), y.reshape(-1){_reduction(draw)})"
     if kind == "write":
         p.where = draw(st.sampled_from(["before", "between", "between", "after"]))
-        target = draw(st.sampled_from(["h", "W", "b", "h.view(-1)"]))
-        writes = [w for w in _WRITES if "." not in target or not w.startswith("{t} +=")]  # no `h.view(-1) += 1`
-        write = draw(st.sampled_from(writes)).format(t=target)
+        targets = ["h", "W", "b", "h.view(-1)"]
+        if write is not None and write.startswith(("{t} +=", "_Dirty")):
+            targets.remove("h.view(-1)")
+        if write is not None and "{t}, W" in write:
+            targets.remove("W")
+        target = draw(st.sampled_from(targets))
+        writes = [w for w in _WRITES if "." not in target or not w.startswith(("{t} +=", "_Dirty"))]  # not on a view
+        if target == "W":
+            writes = [w for w in writes if "{t}, W" not in w]  # one tensor twice in one _foreach
+        write = (write or draw(st.sampled_from(writes))).format(t=target)
         proj = draw(st.sampled_from(["F.linear(h, W, b)", "h @ W.t() + b", "F.linear(h, W) + b", "torch.matmul(h, W.T)"]))
+        p.read, p.target = target != "b" or "b" in proj or "W]" in write, target
         p.lines += ["h, W, b = h * 1.0, W * 1.0, b * 1.0", *([write] if p.where == "before" else []), f"z = {proj}",
                     *([write] if p.where == "between" else []), f"loss = {loss}",
                     *([write] if p.where == "after" else []), "return loss"]
@@ -362,18 +405,22 @@ def check_edge_program(p: EdgeProgram) -> bool:
     * dtype: against the same program run on the inputs' exact fp32 values, compiled is within 3x
       eager's error, finite wherever eager is;
     * confident: through the Triton kernels, no per-token loss below 0, and equal to eager."""
-    namespace = {"torch": torch, "F": F}
+    namespace = dict(_NAMESPACE)
     exec(compile(p.source, "<fuzz program>", "exec"), namespace)
     fn = namespace["program"]
     leaves, y = _edge_inputs(p, seed=len(p.source))
     grads = p.kind != "write"
+    # _Dirty is traced only where its input needs a gradient: values under grad mode, only that input
+    # needing one (else the projection saves it, and any backward, AOTAutograd's traced one too, refuses)
+    dirty = {p.target[0]} if "_Dirty" in p.source else set()
     saved = os.environ.get("COMERA_FORCE_TRITON")
     if p.kind == "confident":
         os.environ["COMERA_FORCE_TRITON"] = "1"
     try:
-        with torch.enable_grad() if grads else torch.no_grad():
-            ref, ref_grads, _ = _run(fn, leaves, y, compiled=False, backward=grads)
-            out, got_grads, report = _run(fn, leaves, y, compiled=True, backward=grads)
+        with torch.enable_grad() if grads or dirty else torch.no_grad():
+            ref, ref_grads, _ = _run(fn, leaves, y, compiled=False, backward=grads, requires_grad=grads or dirty)
+            out, got_grads, report = _run(fn, leaves, y, compiled=True, backward=grads,
+                                          requires_grad=grads or dirty)
     finally:
         if saved is None:
             os.environ.pop("COMERA_FORCE_TRITON", None)
@@ -384,8 +431,8 @@ def check_edge_program(p: EdgeProgram) -> bool:
     assert rewritten or any(reasons), str(report)
     if p.kind == "write":
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
-        if p.where == "between" and "h * 1.0" in p.source:
-            assert not rewritten and any("writes in place" in r for r in reasons), str(report)
+        if p.where == "between" and p.read and "h * 1.0" in p.source:
+            assert not rewritten and any("writes in place" in r or "may write into" in r for r in reasons), str(report)
     elif p.kind == "confident":
         assert (out >= 0).all(), out.min()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
@@ -419,3 +466,23 @@ def test_fuzz_cce_edges_match_eager():
     run()
     print(f"cce edge fuzzer: {len(outcomes)} programs, {sum(outcomes) / max(len(outcomes), 1):.0%} rewritten")
     assert kinds == {"write", "dtype", "confident"} and any(outcomes), (kinds, outcomes)
+
+
+WRITE_EXAMPLES = int(os.environ.get("COMERA_FUZZ_WRITE_EXAMPLES", "4"))
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("write", _WRITES)
+def test_fuzz_cce_every_write_form_matches_eager(write):
+    """Each form of write (``_foreach`` ops, an ``autograd.Function`` marking its input dirty, a function
+    whose writes are unknown, ...) on a random target, before, between or after the head and its loss;
+    ``COMERA_FUZZ_WRITE_EXAMPLES=<n>`` sets the number per form."""
+
+    @hypothesis.settings(_settings(), max_examples=WRITE_EXAMPLES, derandomize=False)
+    @hypothesis.given(edge_programs(write=write))
+    def run(program):
+        hypothesis.note(repr(program))
+        check_edge_program(program)
+
+    run = hypothesis.seed(_WRITES.index(write) if SEED is None else int(SEED))(run)  # other draws per form
+    run()

@@ -174,3 +174,119 @@ def test_readme_matching_example():
     assert [n.target for n in gm.graph.nodes if M.is_call(n, M.ADD)] == [torch.add, "add", operator.add]
     assert namespace["plain_adds"](gm, Ctx()) == 0
     assert len(skipped) == 1 and "alpha=2" in skipped[0]
+
+
+# --- writes: every op that writes an input is seen, whatever its name; an op whose writes are unknown
+# counts as writing every input it takes ---------------------------------------------------------------
+
+def _node(nodes, name):
+    return next(n for n in nodes if M.call_name(n) == name)
+
+
+def test_foreach_writes_are_writes():
+    a, b = torch.randn(3), torch.randn(3)
+
+    def fn(a, b):
+        a, b = a * 1.0, b * 1.0
+        torch._foreach_mul_([a], 0.5)
+        torch._foreach_add_([a, b], 1.0)
+        torch._foreach_zero_([b])
+        return a + b
+
+    nodes = _dynamo_nodes(fn, a, b)
+    a1, b1 = [n for n in nodes if M.call_name(n) == "mul"]
+    assert M.is_inplace(_node(nodes, "_foreach_mul_"))
+    assert M.written_inputs(_node(nodes, "_foreach_mul_")) == [a1]
+    assert M.written_inputs(_node(nodes, "_foreach_add_")) == [a1, b1]
+    assert M.written_inputs(_node(nodes, "_foreach_zero_")) == [b1]
+
+
+def test_dunder_methods_write_only_when_in_place():
+    for name, inplace in [("__getitem__", False), ("__add__", False), ("__setitem__", True), ("__iadd__", True)]:
+        node, x, _ = _graph_with(name, ("x", "y"), {}, "call_method")
+        assert M.is_inplace(node) is inplace, name
+        assert M.written_inputs(node) == ([x] if inplace else []), name
+
+
+class _Dirty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(0.5)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class _Fresh(torch.autograd.Function):
+    """Writes in place only into a tensor of its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 2.0
+        y.add_(1.0)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+def test_autograd_function_that_marks_its_input_dirty_writes_it():
+    def fn(x):
+        h = torch.tanh(x)
+        _Dirty.apply(h)
+        return _Fresh.apply(h).sum()
+
+    nodes = _dynamo_nodes(fn, torch.randn(3, requires_grad=True))
+    dirty, fresh = [n for n in nodes if M.call_name(n) == "autograd_function_apply"]
+    h = _node(nodes, "tanh")
+    assert dirty.kwargs.get("dirty_idx") == [0]
+    assert h in M.graph_values(M.written_inputs(dirty) or dirty.args)
+    assert M.first_write([dirty], [h]) == (dirty, h)
+    assert M.written_inputs(fresh) == []
+
+
+def test_a_schema_that_writes_is_a_write_whatever_the_name():
+    def fn(x, rm, rv):
+        rm, rv = rm * 1.0, rv * 1.0
+        y = torch._native_batch_norm_legit(x, None, None, rm, rv, True, 0.1, 1e-5)[0]
+        s = torch.sort(y, dim=-1).values  # aten::sort has overloads that write a list, never a tensor
+        return s.sum() + rm.sum() + rv.sum()
+
+    nodes = _dynamo_nodes(fn, torch.randn(4, 3), torch.zeros(3), torch.ones(3))
+    rm, rv = [n for n in nodes if M.call_name(n) == "mul"]
+    assert M.written_inputs(_node(nodes, "_native_batch_norm_legit")) == [rm, rv]
+    assert M.written_inputs(_node(nodes, "sort")) == []
+
+
+def test_batch_norm_in_training_writes_its_running_statistics():
+    def fn(x, rm, rv):
+        rm, rv = rm * 1.0, rv * 1.0
+        return F.batch_norm(x, rm, rv, training=True).sum() + rm.sum()
+
+    nodes = _dynamo_nodes(fn, torch.randn(4, 3), torch.zeros(3), torch.ones(3))
+    rm, rv = [n for n in nodes if M.call_name(n) == "mul"]
+    assert M.written_inputs(_node(nodes, "batch_norm")) == [rm, rv]
+
+
+def test_an_op_whose_writes_are_unknown_writes_every_input():
+    @torch.compiler.allow_in_graph
+    def opaque_scale(t):
+        t.mul_(2.0)
+        return t
+
+    def fn(x):
+        h = x * 1.0
+        opaque_scale(h)
+        return h.sum()
+
+    nodes = _dynamo_nodes(fn, torch.randn(3))
+    h, call = _node(nodes, "mul"), _node(nodes, "opaque_scale")
+    assert M.written_inputs(call) is None
+    assert M.first_write([call], [h]) == (call, h)
+    assert "may write" in M.describe_write(call, h) and "writes in place" in M.describe_write(_node(nodes, "mul"), h)
+    pure = [n for n in nodes if n is not call]
+    assert all(M.written_inputs(n) == [] for n in pure), [M.call_name(n) for n in pure]

@@ -555,6 +555,72 @@ def test_write_after_the_head_with_default_options_and_inductor():
     assert "writes in place" in " ".join(_cce_skips(report)), str(report)
 
 
+class _Dirty(torch.autograd.Function):
+    """Scales its input in place and says so (``ctx.mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(0.5)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+@torch.compiler.allow_in_graph
+def _opaque_scale(t):
+    """A function Dynamo keeps whole in the graph: its writes are unknown to the passes."""
+    t.mul_(0.5)
+    return t
+
+
+def _unseen_write(kind):
+    """A head whose hidden states or weight is written after the projection by an op the write
+    analysis once missed: a ``_foreach`` op, an ``autograd.Function`` marking its input dirty, or a
+    function whose writes are unknown."""
+    def fn(h, W, b, y):
+        h, W = h * 1.0, W * 1.0
+        logits = F.linear(h, W)
+        if kind == "foreach":
+            torch._foreach_mul_([h], 0.5)
+        elif kind == "foreach_weight":
+            torch._foreach_mul_([W], 2.0)
+        elif kind == "dirty":
+            _Dirty.apply(h)
+        elif kind == "opaque":
+            _opaque_scale(h)
+        return F.cross_entropy(logits.view(-1, V), y.view(-1))
+    return fn
+
+
+@pytest.mark.parametrize("kind,trainable", [("foreach", ""), ("foreach", "h"), ("foreach_weight", ""),
+                                            ("dirty", "h"), ("opaque", ""), ("opaque", "h")])
+def test_writes_by_foreach_mark_dirty_or_unknown_ops_are_left_alone_and_match_eager(kind, trainable):
+    report = _with_grads_of(_unseen_write(kind), trainable)
+    assert report.rewrites == [], str(report)
+    reason = _cce_skips(report)[0]
+    assert ("may write into" if kind == "opaque" else "writes in place") in reason, reason
+
+
+@pytest.mark.parametrize("trainable,fused", [("h", False), ("", True)])
+def test_write_after_the_loss_into_what_the_fused_op_saves(trainable, fused):
+    """A frozen head saves only its weight, so eager allows a write into h after the loss; the fused op
+    saves h for its backward: in training it leaves the loss alone, without gradients it fuses."""
+    def fn(h, W, b, y):
+        h = h * 1.0
+        loss = F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1))
+        h.mul_(0.5)
+        return loss
+
+    report = _with_grads_of(fn, trainable)
+    if fused:
+        assert [r.kind for r in report.rewrites] == ["cce"], str(report)
+    else:
+        assert report.rewrites == [] and "after the loss" in _cce_skips(report)[0], str(report)
+
+
 def _fp16_head(scale_op):
     def fn(h, W, b, y):
         z = F.linear(h, W).float()

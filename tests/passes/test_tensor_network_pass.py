@@ -358,3 +358,113 @@ def test_write_into_the_cores_in_forward_keeps_the_layer_and_matches_eager():
     report = cc.explain(_shared_input_model("cores"), x, options={"inner": "aot_eager"})
     reasons = [s.reason for s in report.skipped]
     assert any("writes in place" in r and "cores or gates" in r for r in reasons), str(report)
+
+
+# --- never a wrong number (round 3): writes the matcher did not see, a later layer's bias, dead outputs,
+# frozen members of a shared group -------------------------------------------------------------------
+
+class _Dirty(torch.autograd.Function):
+    """Doubles its input in place and says so (``ctx.mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2.0)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _SharedQKV(nn.Module):
+    """Q, K and V reading one input (at d 48 a btt layer has 8 x 6 blocks), with ``case`` between them:
+    a ``_foreach`` write / a ``mark_dirty`` write / a plain write into the input, a write into K's bias,
+    or K's output left unused."""
+
+    def __init__(self, case, d=48):
+        super().__init__()
+        self.case = case
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x * 1.0
+        q = self.q(h)
+        if self.case == "foreach":
+            torch._foreach_mul_([h], 2.0)
+        elif self.case == "dirty":
+            _Dirty.apply(h)
+        elif self.case == "mul_":
+            h.mul_(2.0)
+        elif self.case == "bias":
+            with torch.no_grad():
+                self.k.bias.add_(1.0)
+        k, v = self.k(h), self.v(h)
+        if self.case == "dead":
+            return (q + v).sum()
+        return (q * k + v).sum()
+
+
+SHARED = [("btt", "blocks"), ("btt", "auto"), ("tt", "auto")]  # shared blocks call, dense group, factored
+
+
+def _shared_qkv(case, fmt):
+    torch.manual_seed(0)
+    model = _SharedQKV(case)
+    tensorize_(model, TTConfig(fmt=fmt, rank=2, min_size=0))
+    if case in ("foreach", "dirty", "mul_"):
+        model.q.requires_grad_(False)  # eager's backward then needs no value the write changes
+    return model
+
+
+def _check_shared_qkv(case, fmt, strategy, x_grad=False):
+    """Compiled (aot_eager) against eager: the loss, which parameters get a gradient (None stays None),
+    every gradient, and the input's gradient where it has one."""
+    x0 = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(1))
+    results = []
+    for compiled in (False, True):
+        model = _shared_qkv(case, fmt)
+        x = x0.clone().requires_grad_(x_grad or case == "dirty")  # Dynamo traces mark_dirty only then
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="comera", options={"inner": "aot_eager", "tt_strategy": strategy}) \
+            if compiled else model
+        loss = fn(x)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, x.grad, model))
+    (ref, ref_grads, ref_dx, _), (out, grads, dx, model) = results
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    if ref_dx is not None:
+        torch.testing.assert_close(dx, ref_dx, rtol=1e-4, atol=1e-4)
+    return model
+
+
+@pytest.mark.parametrize("fmt,strategy", SHARED)
+@pytest.mark.parametrize("case", ["foreach", "dirty"])
+def test_foreach_and_mark_dirty_writes_into_a_shared_input_split_the_shared_call(case, fmt, strategy):
+    _check_shared_qkv(case, fmt, strategy)
+
+
+@pytest.mark.parametrize("fmt,strategy", SHARED)
+def test_a_write_into_a_later_layers_bias_keeps_it_out_of_the_shared_call(fmt, strategy):
+    _check_shared_qkv("bias", fmt, strategy)
+
+
+@pytest.mark.parametrize("fmt,strategy", SHARED + [("ttm", "auto")])
+def test_a_layer_whose_output_is_unused_gets_no_gradient(fmt, strategy):
+    model = _check_shared_qkv("dead", fmt, strategy)
+    k_params = list(model.k.parameters())
+    assert all(p.grad is None for p in k_params)
+    before = [p.detach().clone() for p in k_params]
+    torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1).step()
+    for p, b in zip(k_params, before):  # AdamW leaves a parameter without a gradient as it is
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("x_grad", [False, True])
+@pytest.mark.parametrize("fmt,strategy", SHARED + [("ttm", "auto")])
+def test_a_frozen_layer_read_before_a_write_into_its_input_saves_nothing_it_writes(fmt, strategy, x_grad):
+    _check_shared_qkv("mul_", fmt, strategy, x_grad)
