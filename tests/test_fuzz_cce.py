@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import comera_compile  # noqa: F401  (registers the backend in a source checkout)
 from comera_compile.report import Report, collecting
+from writers import ScaleInPlace as _Dirty, opaque_scale as _opaque_scale  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -291,28 +292,6 @@ _WRITES = ["{t} += 1", "{t}.mul_(0.5)", "{t}[0] = 0", "torch.relu_({t})", "F.rel
            "{t}.view(-1)[:1] = 2.0", "torch.nn.ReLU(inplace=True)({t})", "torch.mul({t}, 2.0, out={t})",
            "torch._foreach_mul_([{t}], 0.5)", "torch._foreach_add_([{t}, W], 1.0)", "_Dirty.apply({t})",
            "_opaque_scale({t})"]
-
-
-class _Dirty(torch.autograd.Function):
-    """Scales its input in place and says so (``ctx.mark_dirty``); Dynamo traces it where the input
-    needs a gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(0.5)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 0.5
-
-
-@torch.compiler.allow_in_graph
-def _opaque_scale(t):
-    """A function Dynamo keeps whole in the graph: its writes are unknown to the passes."""
-    t.mul_(0.5)
-    return t
 
 
 _NAMESPACE = {"torch": torch, "F": F, "_Dirty": _Dirty, "_opaque_scale": _opaque_scale}

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comera_compile as cc
+from writers import ScaleInPlace as _Dirty  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -71,20 +72,6 @@ WRITES = ["none", "foreach", "dirty", "mul_", "bias_add_", "bias_foreach"]
 # one first-factor GEMM or one merge, TT-matrices one merge or none (contracted).
 GROUP_STRATEGIES = {"btt": ["blocks", "auto", "dense"], "tt": ["factored", "auto", "dense"],
                     "ttm": ["auto", "dense", "contract"]}
-
-
-class _Dirty(torch.autograd.Function):
-    """Doubles its input in place and says so (``ctx.mark_dirty``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(2.0)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2.0
 
 
 def _write(kind: str, h: torch.Tensor, bias: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import comera_compile as cc
 from comera_compile import matching as M
+from writers import ScaleInPlace as _Dirty  # noqa: E402
 
 
 def _dynamo_nodes(fn, *args):
@@ -206,18 +207,6 @@ def test_dunder_methods_write_only_when_in_place():
         node, x, _ = _graph_with(name, ("x", "y"), {}, "call_method")
         assert M.is_inplace(node) is inplace, name
         assert M.written_inputs(node) == ([x] if inplace else []), name
-
-
-class _Dirty(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(0.5)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 0.5
 
 
 class _Fresh(torch.autograd.Function):

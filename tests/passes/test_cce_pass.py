@@ -5,11 +5,17 @@ import copy
 import re
 
 import pytest
+import os
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import comera_compile as cc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared writers
+from writers import ScaleInPlace as _Dirty, opaque_scale as _opaque_scale  # noqa: E402
 
 V, D = 37, 12
 
@@ -553,27 +559,6 @@ def test_write_after_the_head_with_default_options_and_inductor():
     torch._dynamo.reset()
     report = cc.explain(fn, x0.clone().requires_grad_(), W, y)
     assert "writes in place" in " ".join(_cce_skips(report)), str(report)
-
-
-class _Dirty(torch.autograd.Function):
-    """Scales its input in place and says so (``ctx.mark_dirty``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(0.5)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 0.5
-
-
-@torch.compiler.allow_in_graph
-def _opaque_scale(t):
-    """A function Dynamo keeps whole in the graph: its writes are unknown to the passes."""
-    t.mul_(0.5)
-    return t
 
 
 def _unseen_write(kind):
