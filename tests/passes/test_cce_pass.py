@@ -2,12 +2,11 @@
 every unsupported variant is left alone, with a reason, and still matches eager."""
 
 import copy
-import re
-
-import pytest
 import os
+import re
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
