@@ -4,6 +4,8 @@ different ranks), every site form (Linear, tied head x @ Mᵀ, Conv1D's addmm, m
 padding_idx), what is left alone, and the TT head fused with its loss by the cce pass."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ import torch.nn.functional as F
 import comera_compile as cc
 from comera_compile.kernels import tt_runtime
 from comera_compile.tensorize import TTConfig, tensorize_
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared writers
+from writers import ScaleInPlace as _Dirty  # noqa: E402
 
 
 class TinyLM(nn.Module):
@@ -362,20 +367,6 @@ def test_write_into_the_cores_in_forward_keeps_the_layer_and_matches_eager():
 
 # --- never a wrong number (round 3): writes the matcher did not see, a later layer's bias, dead outputs,
 # frozen members of a shared group -------------------------------------------------------------------
-
-class _Dirty(torch.autograd.Function):
-    """Doubles its input in place and says so (``ctx.mark_dirty``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x.mul_(2.0)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2.0
-
 
 class _SharedQKV(nn.Module):
     """Q, K and V reading one input (at d 48 a btt layer has 8 x 6 blocks), with ``case`` between them:
