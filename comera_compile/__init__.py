@@ -79,9 +79,9 @@ def compile(model, *, options=None, mode=None, **compile_kwargs):
     value, or a pass name that no registered pass has, raises here rather than at the first call."""
     import torch
 
-    from comera_compile.pass_manager import enabled_pass_names
+    from comera_compile.pass_manager import validated_options
 
-    enabled_pass_names(CompileOptions.from_user(options, mode))
+    validated_options(options, mode)
     return torch.compile(model, backend="comera", options=options or None, mode=mode, **compile_kwargs)
 
 

@@ -108,10 +108,9 @@ def compile(model: nn.Module, *, options: Mapping[str, Any] | CompileOptions | N
                         "torch.compile returned (its ._orig_mod)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"cc.hf.compile expects an nn.Module; got {type(model).__name__}")
-    from comera_compile.pass_manager import enabled_pass_names
+    from comera_compile.pass_manager import validated_options
 
-    # a bad key or value, or an unknown pass name, raises here, not at the first step
-    enabled_pass_names(CompileOptions.from_user(options, mode))
+    validated_options(options, mode)  # a bad key or value, or an unknown pass name, raises here
     if fused_loss:
         try:
             _check_pretrained(model, model)
@@ -207,15 +206,14 @@ def _dropping_logits(func: Any) -> Any:
 
     @functools.wraps(func)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if takes_use_cache and "use_cache" not in kwargs and self.training and torch.is_grad_enabled() \
+        training = self.training and torch.is_grad_enabled()
+        if training and takes_use_cache and "use_cache" not in kwargs \
                 and getattr(self, "is_gradient_checkpointing", False):
             # what transformers sets itself under gradient checkpointing, but after a logging call
             # that Dynamo cannot trace (a graph break before every checkpointed layer)
             kwargs["use_cache"] = False
         output = func(self, *args, **kwargs)
-        if self.training and torch.is_grad_enabled():
-            return without_logits(output, kwargs.get("labels") is not None)
-        return output
+        return without_logits(output, kwargs.get("labels") is not None) if training else output
 
     return forward
 

@@ -170,6 +170,14 @@ def list_passes() -> list[str]:
     return REGISTRY.names()
 
 
+def validated_options(options: Any, mode: str | None = None) -> CompileOptions:
+    """``options`` validated into :class:`CompileOptions`, its pass names checked against the
+    registered passes: what ``cc.compile`` and ``cc.hf.compile`` check before anything is traced."""
+    opts = CompileOptions.from_user(options, mode)
+    enabled_pass_names(opts)
+    return opts
+
+
 def enabled_pass_names(options: CompileOptions) -> list[str]:
     """The passes ``options`` runs, in running order."""
     load_builtin_passes()
