@@ -82,6 +82,8 @@ class Config:
     ``steps_scale``: a fraction of the study's steps (fine-tuning from a checkpoint).
     ``lrs``: the configuration's own learning-rate sweep (``--lrs grid``), centred where earlier runs
     put its best.
+    ``timed_as``: the configuration whose ``--timing`` step time this one shares (the same model and step:
+    another seed or warm-up).
     """
 
     doc: str
@@ -93,6 +95,7 @@ class Config:
     target_like: str | None = None
     steps_scale: float = 1.0
     lrs: tuple[float, ...] = ()
+    timed_as: str | None = None
 
 
 TTM = ("--fmt", "ttm")
@@ -246,10 +249,11 @@ CONFIGS.update({
 # the warm-up check: the wide dense rows plateaued near loss 4 at 6e-4 with the default 5 % warm-up
 for _name in ("w-dense", "w-d1536"):
     CONFIGS[f"{_name}-warm20"] = replace(CONFIGS[_name], doc=f"{_name} with a warm-up of 20 % of the steps",
-                                         args=CONFIGS[_name].args + ("--warmup-steps", "{steps/5}"))
+                                         args=CONFIGS[_name].args + ("--warmup-steps", "{steps/5}"),
+                                         timed_as=_name)
 for _name in ("w-dense", "w-btt-r1"):
     CONFIGS[f"{_name}-s1"] = replace(CONFIGS[_name], doc=f"{_name}, seed 1 (seed noise)",
-                                     args=CONFIGS[_name].args + ("--seed", "1"))
+                                     args=CONFIGS[_name].args + ("--seed", "1"), timed_as=_name)
 # Second (and third) seeds of the best runs of "benchmark" and "next", at their best lr (the group "seeds").
 CONFIGS["ttm-r64-gate1x"] = Config("ttm-r64 with the gates at the cores' lr",
                                    ("--tensorize", "64", "--gate-lr-scale", "1") + TTM)
@@ -628,8 +632,13 @@ def collect(runs: list[Run], out: Path) -> list[dict]:
     rows = []
     for run in runs:
         log = json.loads(run.json.read_text()) if run.json.exists() else {}
-        timing_path = out / "timing" / f"{split_name(run.name)[0]}.json"
-        timing = json.loads(timing_path.read_text()) if timing_path.exists() and run.json != timing_path else {}
+        base = split_name(run.name)[0]
+        timing = {}
+        for name in (base, getattr(CONFIGS.get(base), "timed_as", None)):  # its own timing, else its twin's
+            timing_path = out / "timing" / f"{name}.json"
+            if name and timing_path.exists() and run.json != timing_path:
+                timing = json.loads(timing_path.read_text())
+                break
         rows.append(row(run, log, timing))
     return rows
 
@@ -645,7 +654,10 @@ def row(run: Run, log: dict, timing: dict) -> dict:
     alone = bool(timing) or run.json.parent.name == "timing"
     return {
         "config": run.name, "base": split_name(run.name)[0], "lr": args.get("lr"), "seed": args.get("seed"),
-        "doc": run.doc, "status": run.status, "complete": bool(log.get("complete")),
+        # complete: trained to its last step and validated there (a run cut by the deadline while it saved
+        # its checkpoint is complete; one cut earlier is not)
+        "doc": run.doc, "status": run.status,
+        "complete": bool(log.get("complete")) or bool(evals and args.get("steps") and evals[-1]["step"] >= args["steps"]),
         "steps_done": len(steps), "steps": args.get("steps"),
         "tokens": len(steps) * step_tokens,
         "tokens_seen": log.get("tokens_seen", len(steps) * step_tokens), "epochs": log.get("epochs"),
@@ -718,13 +730,13 @@ def best_table(best: list[dict]) -> str:
     for b in best:
         rel = {k: f"{100 * (b['val_loss'] / ref['val_loss'] - 1):+.1f} %" if ref and ref is not b else ""
                for k, ref in refs.items()}
-        sweep = ", ".join(f"{lr:g}: {loss:.4f}{'' if b['lr_complete'][lr] else ' (stopped)'}"
+        sweep = ", ".join(f"{lr:g}: {loss:.4f}{'' if b['lr_complete'][lr] else ' (cut short)'}"
                           for lr, loss in sorted(b["lr_losses"].items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
         step = f"{1e3 * b['step_time_s']:.0f}{'' if b['step_time_alone'] else '*'}" if b["step_time_s"] else ""
         lines.append("| " + " | ".join([
             b["config"],
             (f"{b['best_lr']:g}" if b["best_lr"] is not None else "") + (" (edge)" if b["lr_at_edge"] else ""),
-            f"{b['val_loss']:.4f}" + ("" if b["complete"] else f" ({b['status']})"), rel["dense"], rel["dense-iso"],
+            f"{b['val_loss']:.4f}" + ("" if b["complete"] else " (cut short)"), rel["dense"], rel["dense-iso"],
             sweep, f"{b['parameters']:,}" if b["parameters"] else "",
             f"{b['block_parameters']:,}" if b["block_parameters"] else "",
             f"{b['tokens_seen']:,}" if b["tokens_seen"] else "",
@@ -829,7 +841,7 @@ def table(rows: list[dict]) -> str:
         step = f"{1e3 * r['step_time_s']:.0f}{'' if r['step_time_alone'] else '*'}" if r["step_time_s"] else ""
         mem = (f"{r['peak_memory_bytes'] / 2**30:.1f} / {r['peak_memory_reserved_bytes'] / 2**30:.1f}"
                if r["peak_memory_bytes"] else "")
-        done = f"{r['eval_step']}/{r['steps']}" + ("" if r["complete"] else f" ({r['status']})")
+        done = f"{r['eval_step']}/{r['steps']}" + ("" if r["complete"] else " (cut short)")
         lines.append("| " + " | ".join([
             r["config"], f"{loss:.4f}" if loss is not None else r["status"], rel,
             f"{r['parameters']:,}" if r["parameters"] else "", _ratio(r["compression"]), _ratio(r["block_compression"]),

@@ -10,7 +10,8 @@
 # Environment: WORK (default /tmp/width), TIMING (configurations timed alone first; empty: none), RUNS
 # (the study's runs, NAME@LR, in order of priority), CONCURRENCY (4), STEPS (1900 x 32 x 512 = 31.1 M
 # tokens), EVAL_EVERY (95), EXTRA (more train_lm flags for every run), TIMING_DEADLINE_S (330), DEADLINE_S
-# (the study's, 1050), POLL_S (540). The long horizon (>= 100 M tokens, one epoch at most):
+# (the study's, 1050), POLL_S (540), GPU_TESTS (non-empty: tests/test_gpu*.py run beside the study, log
+# gpu_tests.log). The long horizon (>= 100 M tokens, one epoch at most):
 #   STEPS=6200 EVAL_EVERY=310 EXTRA="--max-corpus-mb 450" RUNS="w-dense@0.0003,w-btt-r1@0.0096,w-d1024@0.0006" ...
 set -u
 cmd=${1:-poll}
@@ -28,6 +29,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -n "${TIMING:-}" ]; then
     python3 benchmarks/quality_study.py "\${common[@]}" --configs "${TIMING:-}" --timing --timing-steps 40 \
         --deadline-s ${TIMING_DEADLINE_S:-330} || echo "timing pass: rc \$?"
+fi
+if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests beside the study (nothing they do is timed)
+    (timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_cce.py > "$work/gpu_tests.log" 2>&1;
+     echo "gpu tests rc \$?" >> "$work/gpu_tests.log") &
 fi
 python3 benchmarks/quality_study.py "\${common[@]}" --configs "${RUNS:-}" --concurrency ${CONCURRENCY:-4} \
     --deadline-s ${DEADLINE_S:-1050} || echo "study: rc \$?"
@@ -52,5 +57,5 @@ for sub in ("timing", "runs"):
               f"at {last.get('step', '-')}  step_time {log.get('step_time_s') or 0:.4f}  "
               f"peak {(log.get('peak_memory_bytes') or 0) / 2**30:.1f} GiB  complete {bool(log.get('complete'))}")
 PY
-tar -czf "$out/width.tgz" -C "$work" job.log $(cd "$work" && ls -d study/runs study/timing study/logs study/results.md study/best.json study/results.json 2>/dev/null)
+tar -czf "$out/width.tgz" -C "$work" job.log $(cd "$work" && ls -d gpu_tests.log study/runs study/timing study/logs study/results.md study/best.json study/results.json 2>/dev/null)
 ls -la "$out"

@@ -127,6 +127,27 @@ def test_lr_sweep_names_and_the_timing_pass(tmp_path):
     (got,) = study.collect([run], tmp_path)
     assert got["step_time_s"] == 0.01 and got["step_time_alone"] and got["lr"] == 0.002
     assert got["eval_seconds"] == [10 * 0.01] and got["eval_tokens"] == [10 * 4 * 32] and got["epochs"] == 0.5
+    assert got["complete"]
+
+
+def test_collect_a_run_cut_while_saving_is_complete_and_a_seed_shares_its_twins_timing(tmp_path):
+    """A run validated at its last step counts as complete though the deadline cut it while it saved its
+    checkpoint; one cut earlier does not. A seed twin without a timing of its own reads its twin's."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "timing").mkdir()
+    timing = {"args": {"steps": 40}, "complete": True, "step_time_s": 0.08, "evals": [], "steps": []}
+    (tmp_path / "timing" / "w-dense.json").write_text(json.dumps(timing))
+    runs = []
+    for name, last in (("w-dense-s1@0.0003", 20), ("w-dense-warm20@0.0006", 12)):
+        log = {"args": {"lr": 3e-4, "batch_size": 4, "seq_len": 32, "steps": 20}, "complete": False,
+               "dense_parameters": 10,
+               "evals": [{"step": last, "val_loss": 3.0, "parameters": 5}], "steps": [{}] * last}
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(log))
+        runs.append(study.Run(name, [], [], "", tmp_path / "runs" / f"{name}.json", tmp_path / "x.txt", status="stopped"))
+    done, cut = study.collect(runs, tmp_path)
+    assert done["complete"] and not cut["complete"]
+    assert done["step_time_s"] == cut["step_time_s"] == 0.08 and done["step_time_alone"]
+    assert done["eval_seconds"] == [20 * 0.08]
 
 
 def _row(config, lr, loss, params, complete=True):
@@ -148,7 +169,7 @@ def test_best_lr_per_configuration_pareto_and_seed_noise():
     assert best["dense"]["lr_losses"] == {1e-3: 4.0, 3e-3: 3.9, 1e-2: 3.5}
     text = study.best_table(list(best.values()))
     assert "| ttm-r32 | 0.001 (edge) | 4.0000 | +2.6 % | -2.4 % |" in text
-    assert "0.01: 3.5000 (stopped)" in text
+    assert "0.01: 3.5000 (cut short)" in text
     assert "0.0500 at lr 0.001, 0.0500 at lr 0.003" in study.seed_noise(list(best.values()))
     points = [(b["parameters"], b["val_loss"]) for b in best.values()]
     assert study.pareto_front(points) == [(25, 4.5), (28, 4.0), (100, 3.9)]
