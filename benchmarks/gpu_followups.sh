@@ -5,8 +5,9 @@
 #   2. a whole training step of the width models with btt against dense Inductor + CUDA graphs
 #      (bench_e2e.py --model lm-d2048 / lm-d4096): the same GPU time and kernels per step as recorded
 #      in BENCHMARKS.md section 0 (the A/B of the btt op change);
-#   3. bench_cce.py with the three learned-like softmaxes (peaked, peaked-mid, peaked-flat): auto must
-#      not be slower than its own exact path.
+#   3. bench_cce.py with learned-like softmaxes (peaked, peaked-flat): auto against its own exact path
+#      (auto-exact) and a compiled user module (backend), after the sparse path's fixed costs entered
+#      the cost model.
 #   bash benchmarks/gpu_followups.sh [OUT_DIR]
 # Run it from a copy of the tree (cp -r . /tmp/snap), with setsid. Poll with calls that each wait several
 # minutes (sleep, then read $out/progress.txt), the next call starting at once: an idle machine is given
@@ -25,6 +26,7 @@ for model in lm-d2048 lm-d4096; do
     --json "$out/e2e_$model.json" > "$out/e2e_$model.log" 2>&1
   stamp "e2e $model rc $?"
 done
-timeout 420 python3 benchmarks/bench_cce.py --cases peaked,peaked-mid,peaked-flat > "$out/cce.log" 2>&1
+timeout 420 python3 benchmarks/bench_cce.py --cases peaked,peaked-flat --shapes gemma,lm1024,tt32 \
+  --methods torch.compile,auto,auto-exact,backend,chunked,graph > "$out/cce.log" 2>&1
 stamp "bench_cce rc $?"
 touch "$out/ALL_DONE"

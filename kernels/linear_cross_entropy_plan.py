@@ -439,7 +439,16 @@ class DeviceRates:
     reproduces the measured torch.compile times), this op's Triton logits tiles ~560 TFLOP/s,
     HBM 4.3 TB/s. ``softmax_elems``: logits entries per second of one pass of the tile kernels
     when the product is cheap (small D): the fused path's three passes took 4.5 ms at
-    (N, D, V) = (8192, 32, 128256)."""
+    (N, D, V) = (8192, 32, 128256).
+
+    The sparse path's fixed costs, fitted to its measured times (``bench_cce.py --cases
+    peaked,peaked-flat``, H200, torch 2.11, at the Gemma-2, Llama-3 and Llama-style d 1024 heads,
+    kept fractions 0.008-0.052, one to three rounds; the fit is within 7 % of all twelve times, with
+    the forward's bounds and without): ``sparse_round_s`` per round of sparse tiles (the host reads
+    the round's tile count, then builds and launches it: ~1.9 ms whatever D), ``sparse_call_s`` per
+    call, and ``bounds_s`` for the forward's logit bounds where they are computed (~3 ms). Without
+    them the model priced the sparse path at the d 1024 head 2.8x too cheap and chose it where the
+    chunked path was 15 % faster."""
 
     gemm_flops: float = 690e12
     tile_flops: float = 560e12
@@ -447,6 +456,9 @@ class DeviceRates:
     bandwidth: float = 4.3e12
     launch_s: float = 5e-6
     sync_s: float = 50e-6
+    sparse_round_s: float = 1.9e-3
+    sparse_call_s: float = 1.0e-3
+    bounds_s: float = 3.0e-3
 
 
 H200 = DeviceRates()
@@ -595,7 +607,8 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
             rounds = max(1, math.ceil(tiles * _TILE * elem / min(tun.tile_budget_bytes, budget)))
             skipped = min(1.0 - kept, max(0.0, float(skipped_fraction)))
             out["sparse"] = ((2 - skipped) * tile_pass + 2 * kept * F / rates.tile_flops + 3 * V * D * elem / bw
-                             + rounds * (rates.sync_s + 8 * launch) + 10 * launch)
+                             + rounds * rates.sparse_round_s + rates.sparse_call_s
+                             + (rates.bounds_s if skipped > 0.0 else 0.0) + 10 * launch)
     return out
 
 

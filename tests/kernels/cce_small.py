@@ -10,7 +10,8 @@ from comera_compile.kernels.linear_cross_entropy_plan import DeviceRates
 N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
 # Rates under which this small head prices like the Llama-3 head on the H200 (FLOP-bound, no fixed
 # costs): flat logits pick "chunked", a kept fraction below ~0.22 picks "sparse".
-SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0)
+SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0, sparse_round_s=0.0,
+                     sparse_call_s=0.0, bounds_s=0.0)
 SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
                    bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
                    fused_block_m=16, fused_block_n=32)
