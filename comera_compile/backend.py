@@ -62,13 +62,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
     if opts.cudagraphs is None:
         opts = dataclasses.replace(opts, cudagraphs=ctx.cudagraphs())
         if opts.cudagraphs:
-            logger.info("graph %d: CUDA graphs on for its %d tensor-train site(s) (options={'cudagraphs': "
-                        "False} turns them off)", index, ctx.tt_sites())
+            logger.info("graph %d: CUDA graphs on, asked for by the passes (%s; options={'cudagraphs': "
+                        "False} turns them off)", index, "; ".join(ctx.cudagraph_requests))
     report.cudagraphs = bool(opts.cudagraphs and _cuda_available())
-    if ctx.tt_sites():
-        # The token path of a tensor-train layer is a chain of small GEMMs joined by transposes: many
-        # pointwise kernels, for each of which Inductor would time six configurations at its first call.
-        ctx.request_inductor_config("triton.autotune_pointwise", False)
     settings = {**ctx.inductor_config, **opts.inductor_config}  # the user's inductor_config wins
     if opts.inner == "inductor":
         report.inductor_config = settings

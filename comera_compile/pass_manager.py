@@ -37,6 +37,8 @@ class PassContext:
     subgraph: str = ""
     #: Inductor settings the passes ask for (see :meth:`request_inductor_config`).
     inductor_config: dict[str, Any] = field(default_factory=dict)
+    #: Why passes asked for CUDA graphs (see :meth:`request_cudagraphs`).
+    cudagraph_requests: list[str] = field(default_factory=list)
 
     def rewrite(self, kind: str, module: str | None, detail: str = "") -> None:
         """Record a rewrite for ``explain``."""
@@ -47,15 +49,21 @@ class PassContext:
         """Tensor-train layers lowered into this graph so far."""
         return sum(r.kind in ("tt_linear", "tt_embedding") for r in self.report.rewrites)
 
+    def request_cudagraphs(self, reason: str) -> None:
+        """Ask for CUDA graphs for this graph, saying why (e.g. a pass lowered layers into many small
+        kernels, which make a step launch-bound without them). The ``cudagraphs`` option, when set,
+        wins."""
+        self.cudagraph_requests.append(reason)
+
     def cudagraphs(self) -> bool:
         """Whether the graph is meant to run under CUDA graphs: the ``cudagraphs`` option when set,
-        else (``None``) on for a GPU graph in which tensor-train layers were lowered (their many small
-        kernels make a step launch-bound without CUDA graphs). Passes after ``tensor_network`` see the
-        backend's final answer; the backend asks once all passes ran."""
+        else (``None``) on for a GPU graph for which a pass asked (:meth:`request_cudagraphs`; the
+        tensor-network pass does when it lowers tensor-train layers). Passes after the one that
+        asked see the final answer; the backend asks once all passes ran."""
         if self.options.cudagraphs is not None:
             return bool(self.options.cudagraphs)
         on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in self.example_inputs)
-        return bool(on_gpu and self.tt_sites())
+        return bool(on_gpu and self.cudagraph_requests)
 
     def request_inductor_config(self, key: str, value: Any) -> None:
         """Ask for an Inductor setting that the rewritten graph needs (e.g. how many inputs one

@@ -684,5 +684,10 @@ def tensor_network_pass(gm: fx.GraphModule, ctx: PassContext) -> int:
         if node.op == "call_function" and node.target in materialize:
             users = ", ".join(u.name for u in node.users)
             ctx.skip(NAME, f"tt_materialize still forms a dense weight for: {users}", module_name(node))
+    if count:
+        # The token path of a tensor-train layer is a chain of small GEMMs joined by transposes: many
+        # pointwise kernels, for each of which Inductor would time six configurations at its first call.
+        ctx.request_inductor_config("triton.autotune_pointwise", False)
+        ctx.request_cudagraphs(f"{count} tensor-train site(s): many small kernels per step")
     return count
 

@@ -156,3 +156,52 @@ def test_pass_must_return_int(pass_cleanup):
     _register(pass_cleanup, "bad-return", lambda gm, ctx: "3")
     with pytest.raises(Exception, match="number of rewrites"):
         torch.compile(lambda x: x + 1, backend="comera", options={"inner": "eager", "strict": True})(torch.ones(2))
+
+
+def test_cudagraphs_follow_what_the_passes_ask_for_on_a_gpu_graph():
+    """CUDA graphs turn on for a GPU graph only when a pass asks (the tensor-network pass does when it
+    lowers tensor-train layers); the cudagraphs option wins either way; a CPU graph never gets them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from comera_compile.options import CompileOptions
+    from comera_compile.pass_manager import PassContext
+    from comera_compile.report import GraphReport
+
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, 3, device="cuda")]
+    on_cpu = [torch.empty(2, 3)]
+
+    def ctx(inputs, **options):
+        return PassContext(options=CompileOptions.from_user(options or None), training=True,
+                           report=GraphReport(index=0), example_inputs=inputs)
+
+    quiet, asked, cpu = ctx(on_gpu), ctx(on_gpu), ctx(on_cpu)
+    asked.request_cudagraphs("many small kernels")
+    cpu.request_cudagraphs("many small kernels")
+    assert not quiet.cudagraphs() and asked.cudagraphs() and not cpu.cudagraphs()
+    assert asked.cudagraph_requests == ["many small kernels"]
+    off = ctx(on_gpu, cudagraphs=False)
+    off.request_cudagraphs("many small kernels")
+    assert not off.cudagraphs() and ctx(on_gpu, cudagraphs=True).cudagraphs()
+
+
+def test_the_tensor_network_pass_asks_for_cudagraphs_and_its_inductor_settings(pass_cleanup):
+    """The backend has no tensor-train branch: the pass itself asks, through its context, for CUDA
+    graphs and for one pointwise configuration instead of six timed ones; a graph without TT layers
+    asks for neither."""
+    seen = []
+
+    def spy(gm, ctx):
+        seen.append((list(ctx.cudagraph_requests), dict(ctx.inductor_config)))
+        return 0
+
+    _register(pass_cleanup, "spy-requests", spy, after="tensor_network")
+    tt = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    cc.tensorize_(tt, cc.TTConfig(rank=4, min_size=0))
+    for model in (tt, torch.nn.Sequential(torch.nn.Linear(64, 64))):
+        torch._dynamo.reset()
+        torch.compile(model, backend="comera", options={"inner": "eager"})(torch.randn(3, 64))
+    (tt_requests, tt_config), (plain_requests, plain_config) = seen[0], seen[-1]
+    assert tt_requests and "tensor-train" in tt_requests[0]
+    assert tt_config.get("triton.autotune_pointwise") is False
+    assert plain_requests == [] and "triton.autotune_pointwise" not in plain_config
