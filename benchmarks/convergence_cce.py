@@ -1,6 +1,6 @@
 """Convergence check of the fused LM-head loss: does it train like the unfused loss?
 
-Trains the example LM (``examples/train_lm.py --preset gpu``: GPT-style, d_model 768, BPE vocabulary
+Trains the example LM (``benchmarks/train_lm.py --preset gpu``: GPT-style, d_model 768, BPE vocabulary
 16384, bf16 autocast, fused AdamW) four times through ``backend="comera"``, the same steps and data:
 
 * ``unfused``: the ``cce`` pass off (``linear`` + ``cross_entropy`` compiled by Inductor), seed 0;
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "train_lm.py"
+TRAIN = ROOT / "benchmarks" / "train_lm.py"
 RUNS = {  # name -> (seed, compile options)
     "unfused": (0, {"passes": {"cce": False}}),
     "unfused seed 1": (1, {"passes": {"cce": False}}),

@@ -1,4 +1,4 @@
-"""Loss and compression over training from examples/train_lm.py JSON logs (``--out``).
+"""Loss and compression over training from benchmarks/train_lm.py JSON logs (``--out``).
 
     python benchmarks/plot_rank_adaptation.py dense.json tt.json adaptive.json --labels dense "TT r16" adaptive \\
         --out docs/rank_adaptation_loss_compression.png

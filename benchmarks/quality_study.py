@@ -1,4 +1,4 @@
-"""Does a tensorized model keep its quality? Named configurations of ``examples/train_lm.py --preset gpu``
+"""Does a tensorized model keep its quality? Named configurations of ``benchmarks/train_lm.py --preset gpu``
 trained at equal steps and tokens, side by side on one GPU, collected into a table and plots.
 
     python benchmarks/quality_study.py --list                            # the configurations
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_LM = ROOT / "examples" / "train_lm.py"
+TRAIN_LM = ROOT / "benchmarks" / "train_lm.py"
 
 SMOKE_ARGS = ["--device", "cpu", "--precision", "fp32", "--d-model", "128", "--n-layers", "2", "--n-heads", "2",
               "--vocab-size", "512", "--corpus", "python", "--max-corpus-mb", "0.2", "--eval-batches", "2",

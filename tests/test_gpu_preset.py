@@ -1,4 +1,4 @@
-"""examples/train_lm.py --preset gpu on a GPU (skipped without CUDA): bf16 autocast, fused AdamW over
+"""benchmarks/train_lm.py --preset gpu on a GPU (skipped without CUDA): bf16 autocast, fused AdamW over
 cc.param_groups, the comera backend with TT-matrix blocks, rank adaptation pruning between steps, CUDA
 graphs, and a pruned checkpoint reloaded. Small sizes, so it takes a few compiles, not a study."""
 
@@ -19,7 +19,7 @@ SMALL = ["--preset", "gpu", "--d-model", "256", "--n-layers", "2", "--n-heads", 
 
 
 def _train_lm():
-    spec = importlib.util.spec_from_file_location("gpu_train_lm", ROOT / "examples" / "train_lm.py")
+    spec = importlib.util.spec_from_file_location("gpu_train_lm", ROOT / "benchmarks" / "train_lm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

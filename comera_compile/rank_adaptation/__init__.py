@@ -14,7 +14,7 @@ the user's model, loss and training loop stay as they are:
   ``gamma=1`` (default) pushes the average gate as hard as the loss pulls the average gate, and a gate
   whose own loss gradient is weaker than its push drifts to zero. (Under Adam the push's absolute size
   barely matters, only its ratio to the gradient a gate already gets; gate loss gradients are
-  ~5e-4 in a small MSE regression and ~3e-3 in examples/train_lm.py, so no absolute weight suits
+  ~5e-4 in a small MSE regression and ~3e-3 in benchmarks/train_lm.py, so no absolute weight suits
   both.) ``scale="absolute"``: ``u = 1``, ``gamma`` in loss units.
   ``c_k`` is core k's chain mode ``s_k`` (``weight="params"``:
   ``S`` counts core parameters, so each gate's penalty is weighted by the parameters its rank carries)
@@ -62,7 +62,7 @@ or by :meth:`RankAdaptation.switch_stage` (``switch="manual"``).
 
 **The loss.** With ``loss_from="output"`` (default) a forward hook on ``model`` records the scalar
 loss in its output: the output itself (a model that returns its loss, as ``model(x, labels)`` does in
-examples/train_lm.py), its ``loss`` attribute (a Hugging Face ``ModelOutput`` with ``labels=``) or its
+benchmarks/train_lm.py), its ``loss`` attribute (a Hugging Face ``ModelOutput`` with ``labels=``) or its
 ``"loss"`` entry (a dict); otherwise call :meth:`RankAdaptation.observe` with the loss each step
 (``loss_from="observe"`` turns the hook off). The hook records in training mode only and is
 ``torch._dynamo.disable``'d, so it never enters a compiled graph. The penalty is added in the step,

@@ -636,11 +636,11 @@ def test_checkpoint_after_pruning_resumes_bitwise_in_a_fresh_process(tmp_path, r
 
 
 def test_train_lm_rank_adapt_flag(tmp_path):
-    """examples/train_lm.py --tensorize R --rank-adapt TARGET through the comera backend: pruning
+    """benchmarks/train_lm.py --tensorize R --rank-adapt TARGET through the comera backend: pruning
     happens, the compiled model follows, the log and the plot carry ranks and compression."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("example_train_lm_ra", ROOT / "examples" / "train_lm.py")
+    spec = importlib.util.spec_from_file_location("example_train_lm_ra", ROOT / "benchmarks" / "train_lm.py")
     train_lm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_lm)
     out, plot = tmp_path / "log.json", tmp_path / "ranks.png"
@@ -661,13 +661,13 @@ def test_train_lm_rank_adapt_flag(tmp_path):
 
 
 def test_train_lm_resumes_a_rank_adaptive_run_bitwise(tmp_path):
-    """examples/train_lm.py: a run stopped at step 6 of 12 (--stop-after 6 --save) and resumed by
+    """benchmarks/train_lm.py: a run stopped at step 6 of 12 (--stop-after 6 --save) and resumed by
     --init-from ends exactly where the uninterrupted run ends: the same per-step losses, pruning
     events, ranker history (stages, ranks, penalty weights) and weights, dropout included. A
     checkpoint with no steps left before --steps loads as weights only (the ranker starts anew)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("example_train_lm_resume", ROOT / "examples" / "train_lm.py")
+    spec = importlib.util.spec_from_file_location("example_train_lm_resume", ROOT / "benchmarks" / "train_lm.py")
     train_lm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_lm)
     flags = ["--d-model", "64", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8",

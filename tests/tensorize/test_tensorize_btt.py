@@ -59,7 +59,7 @@ def test_linear_and_embedding_become_btt_with_the_prototypes_blocks():
 
 
 def test_benchmark_shapes_match_the_prototypes_factors():
-    """The prototype (examples/train_lm.py, BTTLinear) splits 768 into 32 blocks of 24 and 3072 into 64 of 48."""
+    """The prototype (benchmarks/train_lm.py, BTTLinear) splits 768 into 32 blocks of 24 and 3072 into 64 of 48."""
     model = nn.Sequential(nn.Linear(768, 3072, device="meta"), nn.Linear(3072, 768, device="meta"))
     tensorize_(model, TTConfig(fmt="btt", rank=1))
     specs = [layer.spec for layer in iter_tt_layers(model)]

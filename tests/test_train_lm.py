@@ -1,4 +1,4 @@
-"""The main example, examples/train_lm.py: a tiny run trains (finite, falling loss) and writes its JSON log."""
+"""The research driver, benchmarks/train_lm.py: a tiny run trains (finite, falling loss) and writes its JSON log."""
 
 import hashlib
 import importlib.util
@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DRIVER = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8",
         "--steps", "30", "--lr", "1e-2", "--eval-every", "0", "--eval-batches", "2", "--max-corpus-mb", "2",
         "--device", "cpu", "--no-progress", "--seed", "0"]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"example_{name}", DRIVER / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 train_lm = _load("train_lm")
-data = sys.modules["data"]  # examples/data.py, imported by train_lm
+data = sys.modules["data"]  # benchmarks/data.py, imported by train_lm
 
 
 def test_the_comera_backend_and_the_packages_api_are_there():
@@ -220,7 +220,7 @@ def test_gate_init_keeps_the_weights():
 
 def test_help_matches_the_readme():
     text = train_lm.parse_args.__globals__["__doc__"]
-    assert "PYTHONPATH" not in text and "python examples/train_lm.py --preset gpu" in text
+    assert "PYTHONPATH" not in text and "python benchmarks/train_lm.py --preset gpu" in text
     import contextlib
     import io
 

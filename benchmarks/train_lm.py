@@ -1,12 +1,12 @@
 """Train a small GPT-style language model on the Python sources installed with the interpreter, through comera.
 
-    python examples/train_lm.py                                    # CPU or GPU, byte tokens, backend "comera"
-    python examples/train_lm.py --backend eager                    # the same model without torch.compile
-    python examples/train_lm.py --tokenizer bpe --vocab-size 4096 --device cuda --steps 2000
-    python examples/train_lm.py --preset gpu                       # d_model 768, 6 layers, BPE 16k, bf16 (one GPU)
-    python examples/train_lm.py --preset gpu --tensorize 32 --fmt ttm      # TT-matrix blocks of rank 32
-    python examples/train_lm.py --preset gpu --lowrank 37                  # blocks as plain rank-37 products
-    python examples/train_lm.py --preset gpu --btt 1                       # blocks as Monarch (BTT rank 1) matrices
+    python benchmarks/train_lm.py                                    # CPU or GPU, byte tokens, backend "comera"
+    python benchmarks/train_lm.py --backend eager                    # the same model without torch.compile
+    python benchmarks/train_lm.py --tokenizer bpe --vocab-size 4096 --device cuda --steps 2000
+    python benchmarks/train_lm.py --preset gpu                       # d_model 768, 6 layers, BPE 16k, bf16 (one GPU)
+    python benchmarks/train_lm.py --preset gpu --tensorize 32 --fmt ttm      # TT-matrix blocks of rank 32
+    python benchmarks/train_lm.py --preset gpu --lowrank 37                  # blocks as plain rank-37 products
+    python benchmarks/train_lm.py --preset gpu --btt 1                       # blocks as Monarch (BTT rank 1) matrices
 
 The model is written the way users write one (pre-LN blocks, causal attention through
 F.scaled_dot_product_attention, a tied LM head and F.cross_entropy on shifted logits): the backend finds
