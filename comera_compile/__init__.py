@@ -12,6 +12,7 @@ _install_checkout_finder()
 from comera_compile._logging import logger  # noqa: E402
 from comera_compile.backend import comera_backend  # noqa: E402
 from comera_compile.explain import explain  # noqa: E402
+from comera_compile.inductor import use_with_inductor  # noqa: E402  (the passes in plain torch.compile)
 from comera_compile import hf  # noqa: E402  (cc.hf.fused_loss: the transformers labels path)
 from comera_compile.options import CompileOptions, OptionsError  # noqa: E402
 from comera_compile.pass_manager import PassContext, list_passes, register_pass, unregister_pass  # noqa: E402
@@ -71,6 +72,7 @@ __all__ = [
     "tt_linear",
     "tt_materialize",
     "unregister_pass",
+    "use_with_inductor",
 ]
 
 
