@@ -2,7 +2,7 @@
 nn.Linear / nn.Embedding and a torch.einsum over the cores; and the calibration of the planner's cost model.
 
     python benchmarks/bench_tt.py                # layers + calibration (one GPU, ~1 minute)
-    python benchmarks/bench_tt.py --calibrate    # calibration only: the rates the planner's DeviceModel uses
+    python benchmarks/bench_tt.py --calibrate    # calibration only: the rates of devices.H200 the TT planner uses
     python benchmarks/bench_tt.py --smoke        # CPU: checks the script (no timing)
 
 For each layer the planner's estimate of each strategy is printed beside the measured time, and the
@@ -193,8 +193,8 @@ def calibrate(device) -> None:
     torch.cuda.synchronize()
     t_eager = (_t.perf_counter() - t0) / 2000
     print(f"  launch: {t_graph * 1e6:.2f} us per kernel inside a graph, {t_eager * 1e6:.2f} us eager")
-    print(f"  => DeviceModel(gemm_flops={max(r for r, _ in rate):.3g}, bandwidth={sorted(b for _, b in bw)[len(bw) // 2]:.3g}, "
-          f"graph_launch_s={t_graph:.2g}, launch_s={t_eager:.2g})")
+    print(f"  => devices.H200: tt_gemm_flops={max(r for r, _ in rate):.3g}, tt_skinny_gemm_bandwidth={sorted(b for _, b in bw)[len(bw) // 2]:.3g}, "
+          f"tt_graph_launch_s={t_graph:.2g}, tt_launch_s={t_eager:.2g}")
 
 
 def main(argv=None) -> None:

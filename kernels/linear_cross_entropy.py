@@ -533,7 +533,8 @@ def linear_cross_entropy(
       ``filter_eps`` (default: dtype eps / 32, 2**-12 for bf16); "exact" skips nothing. The other
       paths compute the exact gradient either way.
     * ``strategy``: "auto" (the fastest path by the cost model of what runs: the Triton paths at the
-      H200's rates, or the torch reference at the CPU's), "chunked", "sparse", "static" or
+      H200's rates, or the torch reference at the CPU's: ``comera_compile.devices.H200`` / ``CPU``, by
+      ``rates_for``), "chunked", "sparse", "static" or
       "fused" (see ``linear_cross_entropy_plan``); a path that does not apply falls back to one
       that does (e.g. "sparse" under CUDA-graph capture runs "static").
       The sparse path's cost depends on how peaked the logits are: "auto" prices it at the fraction

@@ -24,9 +24,10 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
   (``FORWARD_DX_MAX_D``; reduction "mean"/"sum", no label smoothing) the forward pass forms dX
   itself and the backward recomputes only dW: two passes over the logits.
 
-``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of
-:class:`DeviceRates`, for the Triton paths on the GPU; :class:`ReferenceRates` where the op runs its
-torch reference, the CPU: ``rates_for``); ``fused_loss_pays`` says whether fusing a head is worth
+``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of a
+:class:`~comera_compile.devices.DeviceProfile`, ``profile=``: the H200's, :data:`comera_compile.devices.H200`,
+for the Triton paths on the GPU; the CPU's, :data:`comera_compile.devices.CPU`, where the op runs its
+torch reference: ``rates_for``); ``fused_loss_pays`` says whether fusing a head is worth
 it against the unfused ``linear`` + ``cross_entropy`` under Inductor, by a policy: "speed" (the best
 path is not expected to be slower) or "memory" (the default: also when the logits it avoids,
 ``logits_bytes``, exceed a threshold and the best path is at most ``MEMORY_POLICY_SLOWDOWN`` times
@@ -57,12 +58,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
+import warnings
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
+
+from comera_compile import devices
+from comera_compile.devices import DeviceProfile
 
 __all__ = [
     "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
@@ -433,35 +439,39 @@ def chunk_plan(n_tokens: int, hidden: int, vocab: int, elem: int, budget: int,
 
 
 @dataclass(frozen=True)
-class DeviceRates:
-    """Throughputs the cost model assumes. The defaults are an H200 in bf16, as measured there:
-    library GEMMs sustain ~690 TFLOP/s at LM-head shapes (790 peak; the figure that
-    reproduces the measured torch.compile times), this op's Triton logits tiles ~560 TFLOP/s,
-    HBM 4.3 TB/s. ``softmax_elems``: logits entries per second of one pass of the tile kernels
-    when the product is cheap (small D): the fused path's three passes took 4.5 ms at
-    (N, D, V) = (8192, 32, 128256).
+class _DeviceRates:
+    """Deprecated (use a :class:`~comera_compile.devices.DeviceProfile`): a GPU profile's fused-loss rates
+    under their old names, kept for one release as ``DeviceRates``. ``gemm_flops`` is the profile's
+    ``lm_head_gemm_flops``, ``tile_flops`` its ``cce_tile_flops``, ``softmax_elems`` its
+    ``cce_softmax_elems``, ``bandwidth`` its ``hbm_bandwidth``, ``launch_s`` / ``sync_s`` its
+    ``cce_launch_s`` / ``cce_sync_s``, ``bounds_s`` its ``forward_bounds_s``; ``sparse_round_s`` and
+    ``sparse_call_s`` keep their names. The defaults are the H200's (what each measured: its profile,
+    :data:`comera_compile.devices.H200`); one built with other numbers stands for the H200's profile with
+    those replaced (:attr:`profile`), and the cost model's entry points take it as ``profile=`` or
+    ``rates=``."""
 
-    The sparse path's fixed costs, fitted to its measured times (``bench_cce.py --cases
-    peaked,peaked-flat``, H200, torch 2.11, at the Gemma-2, Llama-3 and Llama-style d 1024 heads,
-    kept fractions 0.008-0.052, one to three rounds; the fit is within 7 % of all twelve times, with
-    the forward's bounds and without): ``sparse_round_s`` per round of sparse tiles (the host reads
-    the round's tile count, then builds and launches it: ~1.9 ms whatever D), ``sparse_call_s`` per
-    call, and ``bounds_s`` for the forward's logit bounds where they are computed (~3 ms). Without
-    them the model priced the sparse path at the d 1024 head 2.8x too cheap and chose it where the
-    chunked path was 15 % faster."""
+    gemm_flops: float = devices.H200.lm_head_gemm_flops
+    tile_flops: float = devices.H200.cce_tile_flops
+    softmax_elems: float = devices.H200.cce_softmax_elems
+    bandwidth: float = devices.H200.hbm_bandwidth
+    launch_s: float = devices.H200.cce_launch_s
+    sync_s: float = devices.H200.cce_sync_s
+    sparse_round_s: float = devices.H200.sparse_round_s
+    sparse_call_s: float = devices.H200.sparse_call_s
+    bounds_s: float = devices.H200.forward_bounds_s
 
-    gemm_flops: float = 690e12
-    tile_flops: float = 560e12
-    softmax_elems: float = 0.97e12
-    bandwidth: float = 4.3e12
-    launch_s: float = 5e-6
-    sync_s: float = 50e-6
-    sparse_round_s: float = 1.9e-3
-    sparse_call_s: float = 1.0e-3
-    bounds_s: float = 3.0e-3
+    @functools.cached_property
+    def profile(self) -> DeviceProfile:
+        """The profile these rates stand for: the H200's with the fused-loss fields replaced (the H200's
+        itself when nothing differs)."""
+        p = dataclasses.replace(devices.H200, lm_head_gemm_flops=self.gemm_flops, cce_tile_flops=self.tile_flops,
+                                cce_softmax_elems=self.softmax_elems, hbm_bandwidth=self.bandwidth,
+                                cce_launch_s=self.launch_s, cce_sync_s=self.sync_s,
+                                sparse_round_s=self.sparse_round_s, sparse_call_s=self.sparse_call_s,
+                                forward_bounds_s=self.bounds_s)
+        return devices.H200 if p == devices.H200 else dataclasses.replace(p, name="H200, DeviceRates changed")
 
 
-H200 = DeviceRates()
 # The fused path forms dX in its forward pass when the hidden size fits one K step of this many
 # columns (a constant, not a tuning field: the op's output shapes must not depend on tuning).
 FORWARD_DX_MAX_D = 128
@@ -471,49 +481,98 @@ _TILE = 128 * 128  # entries per gradient tile of the sparse path
 
 
 @dataclass(frozen=True)
-class ReferenceRates:
-    """Throughputs the cost model assumes where the op runs its torch reference (no Triton: the
-    CPU). There the fused loss is the chunked loop of library GEMMs in fp32 (whatever the inputs'
-    dtype) and a torch step per chunk of rows; the unfused loss is Inductor's GEMMs in the logits'
-    dtype and its softmax + cross-entropy kernels.
+class _ReferenceRates:
+    """Deprecated (use a :class:`~comera_compile.devices.DeviceProfile`): a CPU profile's rates for the
+    fused loss's torch reference under their old names, kept for one release as ``ReferenceRates``.
+    ``gemm_flops`` / ``bf16_gemm_flops`` are the profile's ``ref_fp32_gemm_flops`` /
+    ``ref_bf16_gemm_flops``, ``bandwidth`` its ``ref_memory_bandwidth``, ``rows_s`` / ``rows_forward_s``
+    its ``ref_rows_s`` / ``ref_rows_forward_s``, ``unfused_s`` / ``unfused_forward_s`` its
+    ``ref_inductor_ce_s`` / ``ref_inductor_ce_forward_s``, ``call_s`` / ``forward_call_s`` its
+    ``ref_call_s`` / ``ref_forward_call_s``, ``unfused_call_s`` / ``unfused_forward_call_s`` its
+    ``ref_inductor_call_s`` / ``ref_inductor_forward_call_s``, ``chunk_s`` its ``ref_chunk_s``. The
+    defaults are the CPU's (:data:`comera_compile.devices.CPU`, which says what each measured)."""
 
-    The defaults were fitted to whole compiled steps (``torch.compile(backend="comera")``, fused
-    and with the cce pass off) from (N, D, V) = (64, 8, 3) to (2048, 768, 8192) and (1024, 512,
-    32768), on a 2-core x86-64 CPU (AVX-512, AMX), torch 2.13, two threads: fp32 GEMMs ~370 GFLOP/s,
-    bf16 ones ~1000 on the AMX units (fp16 ones run at the fp32 rate). Per logit, counting each
-    pass's memory traffic and the first touch of a fresh logits buffer: the reference's loss and
-    gradient step 2.4 ns (its loss alone 1.5), Inductor's softmax + cross-entropy forward and
-    backward 2.85 ns (forward 1.4) per fp32 logit, half that per 16-bit one. Fixed costs per call
-    (a training step / a forward) and per chunk of rows (~15 torch ops). The fits are within ~10 %
-    of those steps. A CPU with more cores speeds the GEMMs and the per-logit passes alike, so the
-    ratios that decide stay close; one without AMX runs bf16 GEMMs slower than assumed here.
-    """
-
-    gemm_flops: float = 370e9
-    bf16_gemm_flops: float = 1000e9
-    bandwidth: float = 40e9
-    rows_s: float = 2.4e-9
-    rows_forward_s: float = 1.5e-9
-    unfused_s: float = 2.85e-9
-    unfused_forward_s: float = 1.4e-9
-    call_s: float = 450e-6
-    forward_call_s: float = 170e-6
-    unfused_call_s: float = 120e-6
-    unfused_forward_call_s: float = 30e-6
-    chunk_s: float = 60e-6
+    gemm_flops: float = devices.CPU.ref_fp32_gemm_flops
+    bf16_gemm_flops: float = devices.CPU.ref_bf16_gemm_flops
+    bandwidth: float = devices.CPU.ref_memory_bandwidth
+    rows_s: float = devices.CPU.ref_rows_s
+    rows_forward_s: float = devices.CPU.ref_rows_forward_s
+    unfused_s: float = devices.CPU.ref_inductor_ce_s
+    unfused_forward_s: float = devices.CPU.ref_inductor_ce_forward_s
+    call_s: float = devices.CPU.ref_call_s
+    forward_call_s: float = devices.CPU.ref_forward_call_s
+    unfused_call_s: float = devices.CPU.ref_inductor_call_s
+    unfused_forward_call_s: float = devices.CPU.ref_inductor_forward_call_s
+    chunk_s: float = devices.CPU.ref_chunk_s
 
     def gemm_s(self, flops: float, dtype: torch.dtype) -> float:
         """One library GEMM of ``flops`` in ``dtype`` (the logits' traffic is in the per-logit costs)."""
-        return flops / (self.bf16_gemm_flops if dtype == torch.bfloat16 else self.gemm_flops)
+        return _ref_gemm_s(self.profile, flops, dtype)
+
+    @functools.cached_property
+    def profile(self) -> DeviceProfile:
+        """The profile these rates stand for: the CPU's with the reference's fields replaced (the CPU's
+        itself when nothing differs)."""
+        p = dataclasses.replace(
+            devices.CPU, ref_fp32_gemm_flops=self.gemm_flops, ref_bf16_gemm_flops=self.bf16_gemm_flops,
+            ref_memory_bandwidth=self.bandwidth, ref_rows_s=self.rows_s, ref_rows_forward_s=self.rows_forward_s,
+            ref_inductor_ce_s=self.unfused_s, ref_inductor_ce_forward_s=self.unfused_forward_s, ref_call_s=self.call_s,
+            ref_forward_call_s=self.forward_call_s, ref_inductor_call_s=self.unfused_call_s,
+            ref_inductor_forward_call_s=self.unfused_forward_call_s, ref_chunk_s=self.chunk_s)
+        return devices.CPU if p == devices.CPU else dataclasses.replace(p, name="CPU, ReferenceRates changed")
 
 
-CPU = ReferenceRates()
+_DeviceRates.__name__ = _DeviceRates.__qualname__ = "DeviceRates"
+_ReferenceRates.__name__ = _ReferenceRates.__qualname__ = "ReferenceRates"
+_H200_RATES, _CPU_RATES = _DeviceRates(), _ReferenceRates()
+_DEPRECATED = {
+    "DeviceRates": (lambda: _DeviceRates, "comera_compile.devices.DeviceProfile"),
+    "ReferenceRates": (lambda: _ReferenceRates, "comera_compile.devices.DeviceProfile"),
+    "H200": (lambda: _H200_RATES, "comera_compile.devices.H200"),
+    "CPU": (lambda: _CPU_RATES, "comera_compile.devices.CPU"),
+}
 
 
-def rates_for(triton: bool) -> "DeviceRates | ReferenceRates":
-    """The rates of what runs the op: its Triton paths (the GPU: :data:`H200`) or its torch
-    reference (the CPU: :data:`CPU`)."""
-    return H200 if triton else CPU
+def __getattr__(name: str) -> Any:
+    """The deprecated names (``DeviceRates``, ``ReferenceRates``, ``H200``, ``CPU``), with a
+    DeprecationWarning."""
+    if name in _DEPRECATED:
+        get, new = _DEPRECATED[name]
+        warnings.warn(f"linear_cross_entropy_plan.{name} is deprecated and will be removed in the next release: use "
+                      f"{new}, passed as profile=", DeprecationWarning, stacklevel=2)
+        return get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def rates_for(triton: bool) -> "_DeviceRates | _ReferenceRates":
+    """The rates of what runs the op under their old names: its Triton paths (the GPU: the H200's,
+    ``DeviceRates``) or its torch reference (the CPU's, ``ReferenceRates``); each stands for its
+    :class:`~comera_compile.devices.DeviceProfile` (``.profile``) wherever the cost model takes one. Kept
+    without a warning for one release (the op calls it at run time); ``devices.profile_for`` gives the
+    profiles by device."""
+    return _H200_RATES if triton else _CPU_RATES
+
+
+def _as_profile(profile: Any, rates: Any, default: DeviceProfile) -> DeviceProfile:
+    """The profile of an entry point's ``profile=`` or its older name ``rates=`` (a ``DeviceRates`` /
+    ``ReferenceRates`` is taken for the profile it stands for)."""
+    if profile is None:
+        profile = default if rates is None else rates
+    elif rates is not None:
+        raise TypeError("pass profile= or its older name rates=, not both")
+    if type(profile) is DeviceProfile:
+        return profile
+    if isinstance(profile, (_DeviceRates, _ReferenceRates)):
+        return profile.profile
+    if isinstance(profile, DeviceProfile):
+        return profile
+    raise TypeError(f"profile= takes a comera_compile.devices.DeviceProfile, got {type(profile).__name__}")
+
+
+def _ref_gemm_s(p: DeviceProfile, flops: float, dtype: torch.dtype) -> float:
+    """One library GEMM of ``flops`` in ``dtype`` where the torch reference runs (the logits' traffic is
+    in the per-logit costs)."""
+    return flops / (p.ref_bf16_gemm_flops if dtype == torch.bfloat16 else p.ref_fp32_gemm_flops)
 
 
 def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
@@ -527,7 +586,7 @@ def _flat_kept_fraction(vocab: int, filter_eps: float) -> float:
     return 1.0 - (1.0 - q) ** _TILE
 
 
-def _reference_seconds(N: int, D: int, V: int, dtype: torch.dtype, budget: int, rates: ReferenceRates,
+def _reference_seconds(N: int, D: int, V: int, dtype: torch.dtype, budget: int, p: DeviceProfile,
                        training: bool) -> dict[str, float]:
     """:func:`estimate_seconds` where the op runs its torch reference: "chunked" forms the gradient
     in the forward (three fp32 GEMMs, one rows step with the gradient); every other path runs there
@@ -535,25 +594,26 @@ def _reference_seconds(N: int, D: int, V: int, dtype: torch.dtype, budget: int, 
     three GEMMs and gradient step)."""
     F, NV = 2.0 * N * D * V, float(N * V)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
-    ref, unfused = rates.gemm_s(F, torch.float32), rates.gemm_s(F, dtype)
+    ref, unfused = _ref_gemm_s(p, F, torch.float32), _ref_gemm_s(p, F, dtype)
     rows, _ = chunk_plan(N, D, V, 4, budget, training)
     chunks = math.ceil(N / rows)
     moved = NV * elem / 4  # Inductor's passes move the logits in their own dtype
     if not training:
-        return {"unfused": unfused + moved * rates.unfused_forward_s + rates.unfused_forward_call_s,
-                "static": ref + NV * rates.rows_forward_s + chunks * rates.chunk_s + rates.forward_call_s}
-    rmw = (chunks - 1) * 2 * V * D * 4 / rates.bandwidth  # dW accumulated in fp32 across chunks
-    return {"unfused": 3 * unfused + moved * rates.unfused_s + rates.unfused_call_s,
-            "chunked": 3 * ref + NV * rates.rows_s + chunks * rates.chunk_s + rmw + rates.call_s,
-            "static": (4 * ref + NV * (rates.rows_forward_s + rates.rows_s) + 2 * chunks * rates.chunk_s
-                       + rmw + rates.call_s)}
+        return {"unfused": unfused + moved * p.ref_inductor_ce_forward_s + p.ref_inductor_forward_call_s,
+                "static": ref + NV * p.ref_rows_forward_s + chunks * p.ref_chunk_s + p.ref_forward_call_s}
+    rmw = (chunks - 1) * 2 * V * D * 4 / p.ref_memory_bandwidth  # dW accumulated in fp32 across chunks
+    return {"unfused": 3 * unfused + moved * p.ref_inductor_ce_s + p.ref_inductor_call_s,
+            "chunked": 3 * ref + NV * p.ref_rows_s + chunks * p.ref_chunk_s + rmw + p.ref_call_s,
+            "static": (4 * ref + NV * (p.ref_rows_forward_s + p.ref_rows_s) + 2 * chunks * p.ref_chunk_s
+                       + rmw + p.ref_call_s)}
 
 
 def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                      backward: str = "filtered", memory_budget: Optional[int] = None,
-                     filter_eps: Optional[float] = None, rates: "DeviceRates | ReferenceRates" = H200,
+                     filter_eps: Optional[float] = None, rates: Any = None,
                      training: bool = True, upcast: bool = False,
-                     kept_fraction: Optional[float] = None, skipped_fraction: float = 0.0) -> dict[str, float]:
+                     kept_fraction: Optional[float] = None, skipped_fraction: float = 0.0,
+                     profile: Optional[DeviceProfile] = None) -> dict[str, float]:
     """Estimated seconds of one forward (+ backward when ``training``) per path, and of the
     unfused ``linear`` + ``cross_entropy`` under Inductor (key ``"unfused"``). ``upcast``: the
     unfused loss casts half-precision logits to fp32 first (``logits.float()``), which costs
@@ -562,24 +622,27 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
     tiles the sparse path's filter keeps (e.g. :func:`observed_kept_fraction`); None assumes a
     flat softmax (N(0, 1) logits, an untrained head: the most tiles kept). ``skipped_fraction``:
     the fraction of tiles the forward's logit bounds rule out, which sparse rounds run in the
-    forward do not recompute (0: every tile is recomputed, as in a backward). The torch reference
-    (``ReferenceRates``) has no sparse path and ignores both."""
+    forward do not recompute (0: every tile is recomputed, as in a backward). ``profile``: the
+    :class:`~comera_compile.devices.DeviceProfile` to price at (``rates``: its older name; default
+    :data:`comera_compile.devices.H200`): a ``"gpu"`` one prices the Triton paths, a ``"cpu"`` one the
+    torch reference, which has no sparse path and ignores both fractions."""
+    p = _as_profile(profile, rates, devices.H200)
     N, D, V = max(1, n_tokens), max(1, hidden), max(1, vocab)
     budget = memory_budget if memory_budget is not None else default_memory_budget(N, V)
-    if isinstance(rates, ReferenceRates):
-        return _reference_seconds(N, D, V, dtype, budget, rates, training)
+    if p.kind == "cpu":
+        return _reference_seconds(N, D, V, dtype, budget, p, training)
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 2
     tun = _DEFAULTS
     F = 2.0 * N * D * V
     L = float(N * V * elem)
-    bw, launch = rates.bandwidth, rates.launch_s
-    tile_pass = max(F / rates.tile_flops, N * V / rates.softmax_elems)
+    bw, launch = p.hbm_bandwidth, p.cce_launch_s
+    tile_pass = max(F / p.cce_tile_flops, N * V / p.cce_softmax_elems)
     if not training:
-        return {"unfused": F / rates.gemm_flops + 2 * L / bw + 3 * launch,
+        return {"unfused": F / p.lm_head_gemm_flops + 2 * L / bw + 3 * launch,
                 "static": tile_pass + 4 * launch}
     extra = 2 * L / bw if upcast and elem < 4 else 0.0
     # a GEMM with a logits-sized operand or result: bound by its FLOPs, or for small D by the bytes
-    gemm = max(F / rates.gemm_flops, L / bw)
+    gemm = max(F / p.lm_head_gemm_flops, L / bw)
     out = {"unfused": 3 * gemm + 4 * L / bw + extra + 6 * launch}
     rows, fp32_acc = chunk_plan(N, D, V, elem, budget, True)
     chunks = math.ceil(N / rows)
@@ -588,7 +651,7 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
     width = max(tun.dense_block_n, min(tun.dense_budget_bytes, budget) // max(1, N * elem))
     vchunks = math.ceil(V / width)
     # static: the gradient of each vocabulary chunk is written once and read by the dX and dW GEMMs
-    out["static"] = (2 * tile_pass + 2 * F / rates.gemm_flops + 3 * L / bw
+    out["static"] = (2 * tile_pass + 2 * F / p.lm_head_gemm_flops + 3 * L / bw
                      + vchunks * (2 * N * D * 4 / bw + 4 * launch) + 10 * launch)
     # fused: for D <= FORWARD_DX_MAX_D the forward pass forms dX too (FORWARD_DX_PASS of a plain
     # pass), then one dW pass; larger D: forward, then dX and dW per chunk of fused_max_d columns
@@ -601,14 +664,14 @@ def estimate_seconds(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
         kept = (min(1.0, max(0.0, float(kept_fraction))) if kept_fraction is not None
                 else _flat_kept_fraction(V, eps))
         if kept > tun.dense_density:  # two dense rounds, then the rest as static
-            out["sparse"] = out["static"] + 2 * rates.sync_s + 2 * tile_pass * tun.dense_density
+            out["sparse"] = out["static"] + 2 * p.cce_sync_s + 2 * tile_pass * tun.dense_density
         else:
             tiles = kept * (N * V / _TILE)
             rounds = max(1, math.ceil(tiles * _TILE * elem / min(tun.tile_budget_bytes, budget)))
             skipped = min(1.0 - kept, max(0.0, float(skipped_fraction)))
-            out["sparse"] = ((2 - skipped) * tile_pass + 2 * kept * F / rates.tile_flops + 3 * V * D * elem / bw
-                             + rounds * rates.sparse_round_s + rates.sparse_call_s
-                             + (rates.bounds_s if skipped > 0.0 else 0.0) + 10 * launch)
+            out["sparse"] = ((2 - skipped) * tile_pass + 2 * kept * F / p.cce_tile_flops + 3 * V * D * elem / bw
+                             + rounds * p.sparse_round_s + p.sparse_call_s
+                             + (p.forward_bounds_s if skipped > 0.0 else 0.0) + 10 * launch)
     return out
 
 
@@ -633,16 +696,17 @@ def _allowed(costs: dict[str, float], dtype: torch.dtype, *, reduction: str, bac
 def choose_strategy(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
                     reduction: str = "mean", backward: str = "filtered", deterministic: bool = False,
                     memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
-                    capture: bool = False, lse_grad: bool = False,
-                    rates: "DeviceRates | ReferenceRates" = H200,
-                    kept_fraction: Optional[float] = None) -> str:
+                    capture: bool = False, lse_grad: bool = False, rates: Any = None,
+                    kept_fraction: Optional[float] = None, profile: Optional[DeviceProfile] = None) -> str:
     """The fastest path for a training step by the cost model, among those that apply.
 
     ``capture``: the step runs under CUDA graphs (no sparse rounds); ``lse_grad``: the caller may
     differentiate the lse (no chunked path). ``n_tokens`` may be a size hint. ``kept_fraction``:
     the sparse path's kept fraction; None takes the one observed on previous calls of this shape
     class (:func:`observed_kept_fraction`) when there is one, else the flat-softmax assumption.
+    ``profile``: as for :func:`estimate_seconds` (``rates``: its older name).
     """
+    rates = _as_profile(profile, rates, devices.H200)
     if kept_fraction is None and backward == "filtered":
         kept_fraction = observed_kept_fraction(vocab, hidden, dtype, filter_eps)
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
@@ -667,8 +731,8 @@ def adaptive_plan(strategy: str, dtype: torch.dtype, *, reduction: str = "mean",
 
 
 def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, *,
-                     filter_eps: float, memory_budget: Optional[int] = None,
-                     rates: DeviceRates = H200) -> str:
+                     filter_eps: float, memory_budget: Optional[int] = None, rates: Any = None,
+                     profile: Optional[DeviceProfile] = None) -> str:
     """The path a call planned by ``strategy="auto"`` runs, decided when it runs (inside the op,
     after any tracing), where the sparse path may run (the caller checks: a filtered backward that
     can filter, not deterministic, not under CUDA-graph capture, the Triton paths).
@@ -681,8 +745,10 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     passed without one, "sparse" (a probe: only the sparse path measures the fraction). Reads and
     counts host-side Python state only (no device value). Rounds in the forward are priced with
     the tiles the forward's bounds are expected to rule out (``KeptFraction.skipped``, where
-    :func:`forward_bounds_pay` would compute them).
+    :func:`forward_bounds_pay` would compute them). ``profile``: as for :func:`estimate_seconds`
+    (``rates``: its older name, what the op passes: ``rates_for(True)``).
     """
+    rates = _as_profile(profile, rates, devices.H200)
     other = "chunked" if planned == "chunked" else "static"
     key = _shape_class(vocab, hidden, dtype, filter_eps)
     tun = current_tuning()
@@ -755,7 +821,7 @@ def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype
                       memory_budget: Optional[int] = None, filter_eps: Optional[float] = None,
                       capture: bool = False, training: bool = True, upcast: bool = False,
                       policy: str = "memory", memory_threshold: int = DEFAULT_MEMORY_THRESHOLD,
-                      rates: "DeviceRates | ReferenceRates" = H200) -> FusedLossDecision:
+                      rates: Any = None, profile: Optional[DeviceProfile] = None) -> FusedLossDecision:
     """:func:`fused_loss_pays` and, in training, :func:`choose_strategy`'s path, from one run of
     the cost model (:func:`estimate_seconds` at ``rates``: small vocabularies lose on fixed costs,
     mid-size hidden sizes with flat logits lose on the GPU's recompute, large heads with a budget
@@ -764,9 +830,11 @@ def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype
     ``policy="speed"``: fuse when the best path's estimate is at most the unfused one.
     ``policy="memory"`` (the default): also when the logits (:func:`logits_bytes`) take more than
     ``memory_threshold`` bytes and the best path's estimate is at most ``MEMORY_POLICY_SLOWDOWN``
-    (1.15) times the unfused one."""
+    (1.15) times the unfused one. ``profile``: as for :func:`estimate_seconds` (``rates``: its older
+    name, what the cce pass passes: ``rates_for(...)``)."""
     if policy not in POLICIES:
         raise ValueError(f"decide_fused_loss: policy={policy!r}; valid values: {list(POLICIES)}")
+    rates = _as_profile(profile, rates, devices.H200)
     costs = estimate_seconds(n_tokens, hidden, vocab, dtype, backward=backward,
                              memory_budget=memory_budget, filter_eps=filter_eps, rates=rates,
                              training=training, upcast=upcast)
@@ -799,14 +867,15 @@ def fused_loss_pays(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, 
                     filter_eps: Optional[float] = None, capture: bool = False,
                     training: bool = True, upcast: bool = False, policy: str = "memory",
                     memory_threshold: int = DEFAULT_MEMORY_THRESHOLD,
-                    rates: "DeviceRates | ReferenceRates | None" = None) -> tuple[bool, str]:
+                    rates: Any = None, profile: Optional[DeviceProfile] = None) -> tuple[bool, str]:
     """Whether fusing the head is worth it by ``policy`` against the unfused ``linear`` +
     ``cross_entropy`` under Inductor; ``(False, reason)`` when it is not (see
-    :func:`decide_fused_loss`, which also gives the path). ``rates``: by default those of the
-    device: the H200's on ``"cuda"`` (the Triton paths), the CPU's reference elsewhere."""
+    :func:`decide_fused_loss`, which also gives the path). ``profile`` (``rates``: its older name): by
+    default the device's, :func:`comera_compile.devices.profile_for` ``(device_type)``: the H200's on
+    ``"cuda"`` (the Triton paths; on any GPU), the CPU's reference elsewhere."""
     decision = decide_fused_loss(n_tokens, hidden, vocab, dtype, reduction=reduction, backward=backward,
                                  deterministic=deterministic, memory_budget=memory_budget,
                                  filter_eps=filter_eps, capture=capture, training=training, upcast=upcast,
                                  policy=policy, memory_threshold=memory_threshold,
-                                 rates=rates if rates is not None else rates_for(device_type == "cuda"))
+                                 rates=_as_profile(profile, rates, devices.profile_for(device_type)))
     return decision.pays, decision.reason

@@ -26,11 +26,13 @@ For one call site (a token count, a dtype) the planner decides:
      (about the square root of the vocabulary each), one ``[O_L, r] x [r, O_R]`` product per lookup;
      no vocabulary-sized tensor ever exists. ``"dense"``: the table ``[rows, cols]``, then a plain
      lookup (its gradient is vocabulary-sized).
-3. **Costs** from :class:`DeviceModel` (an H200 by default, its rates fitted to measured GEMMs): each
-   GEMM takes ``max(FLOPs / rate, bytes / bandwidth)`` at the rates cuBLAS reaches at such shapes, plus a
-   launch (far cheaper inside a CUDA graph). The cheapest strategy wins; :meth:`TTPlan.describe` prints
-   every step, every candidate's estimate, and the FLOPs of ``torch.einsum``'s default left-to-right
-   path for comparison.
+3. **Costs** from a :class:`~comera_compile.devices.DeviceProfile` (``profile=``; by default
+   :data:`comera_compile.devices.H200`, on every device): each GEMM takes ``max(FLOPs / rate, bytes /
+   bandwidth)`` at the rates cuBLAS reaches at such shapes (the profile's ``tt_gemm_flops`` /
+   ``tt_fp32_gemm_flops`` and ``tt_skinny_gemm_bandwidth``; ``btt_blocks_bandwidth`` for a btt's blocks),
+   plus a launch (``tt_launch_s``; far cheaper inside a CUDA graph, ``tt_graph_launch_s``). The
+   cheapest strategy wins; :meth:`TTPlan.describe` prints every step, every candidate's estimate, and
+   the FLOPs of ``torch.einsum``'s default left-to-right path for comparison.
 
 The entry points take a :class:`~comera_compile.tt.format.TTSpec`: :func:`plan_linear` ``(spec,
 n_tokens)`` and :func:`plan_embedding` ``(spec, n_lookups)``; :func:`plan_tt_linear` /
@@ -47,11 +49,14 @@ import dataclasses
 import functools
 import math
 import time
+import warnings
 from typing import Any, Literal, NamedTuple, Sequence, Union
 
 import networkx as nx
 import opt_einsum as oe
 
+from comera_compile import devices
+from comera_compile.devices import DeviceProfile
 from comera_compile.fx_utils import size_hint
 from comera_compile.tt.format import TTSpec
 
@@ -251,15 +256,15 @@ def _merge_gemms(bracket: Bracket, sizes: Sequence[int], ranks: Sequence[int]) -
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceModel:
-    """Rates a GEMM (or a copy) reaches on one GPU, fitted to measurements.
+class _DeviceModel:
+    """Deprecated (use a :class:`~comera_compile.devices.DeviceProfile`): a profile's tensor-train rates
+    under their old names, kept for one release as ``comera_compile.tt.planner.DeviceModel``.
 
-    ``gemm_flops``: bf16/fp16 tensor-core rate cuBLAS reaches on large products; ``fp32_flops`` for
-    fp32 operands (TF32 when allowed); ``bandwidth``: device-memory bytes per second a skinny,
-    memory-bound product reaches; ``launch_s`` / ``graph_launch_s``: time added per kernel without /
-    inside a CUDA graph (host dispatch of a compiled graph's kernels, vs the GPU-side gap);
-    ``block_bandwidth``: what a block tensor-train's batched block GEMMs and regrouping copies reach
-    (its ``"blocks"`` path; None: ``bandwidth``)."""
+    ``gemm_flops`` is the profile's ``tt_gemm_flops``, ``fp32_flops`` its ``tt_fp32_gemm_flops``,
+    ``bandwidth`` its ``tt_skinny_gemm_bandwidth``, ``launch_s`` / ``graph_launch_s`` its ``tt_launch_s`` /
+    ``tt_graph_launch_s``, ``block_bandwidth`` its ``btt_blocks_bandwidth``. One built from numbers
+    stands for :data:`comera_compile.devices.H200` with these replaced (:attr:`profile`); the planner's
+    entry points take it as ``profile=`` (or the deprecated ``model=``)."""
 
     name: str
     gemm_flops: float
@@ -269,7 +274,23 @@ class DeviceModel:
     graph_launch_s: float
     block_bandwidth: float | None = None
 
-    def for_blocks(self) -> "DeviceModel":
+    @classmethod
+    def from_profile(cls, profile: DeviceProfile) -> "_DeviceModel":
+        """The tensor-train rates of ``profile`` under the old names."""
+        return cls(profile.name, profile.tt_gemm_flops, profile.tt_fp32_gemm_flops, profile.tt_skinny_gemm_bandwidth,
+                   profile.tt_launch_s, profile.tt_graph_launch_s, profile.btt_blocks_bandwidth)
+
+    @functools.cached_property
+    def profile(self) -> DeviceProfile:
+        """The :class:`~comera_compile.devices.DeviceProfile` these rates stand for: the H200's with the
+        tensor-train fields replaced (the H200's itself when nothing differs)."""
+        p = dataclasses.replace(devices.H200, name=self.name, tt_gemm_flops=self.gemm_flops,
+                                tt_fp32_gemm_flops=self.fp32_flops, tt_skinny_gemm_bandwidth=self.bandwidth,
+                                tt_launch_s=self.launch_s, tt_graph_launch_s=self.graph_launch_s,
+                                btt_blocks_bandwidth=self.block_bandwidth)
+        return devices.H200 if p == devices.H200 else p
+
+    def for_blocks(self) -> "_DeviceModel":
         """This model with ``bandwidth`` at ``block_bandwidth`` (the rates of a btt's blocks path)."""
         if self.block_bandwidth is None:
             return self
@@ -285,19 +306,40 @@ class DeviceModel:
         return nbytes / self.bandwidth
 
 
-#: The H200 of the project's GPU machine, fitted to measured cuBLAS GEMMs (torch 2.11, 2026-12-01): bf16
-#: GEMMs 690 TFLOP/s on an 8192^3 product and 390-680 at layer sizes; skinny rank-32 GEMMs 1.2-2.8 TB/s (the
-#: copy engine's 4.3 TB/s is out of their reach; a rank of 30 halves it, hence the rank padding); 1.1 us per
-#: kernel inside a CUDA graph (plus a GEMM's own setup), 7.7 us dispatched from Python. These are the rates
-#: of a TT layer's products, skinnier than an LM head's: the fused loss's cost model (kernels) describes the
-#: same GPU at LM-head shapes (690 TFLOP/s, 4.3 TB/s) and keeps its own numbers.
-#: A btt's blocks path (batched GEMMs over 32-128 blocks, and the copies between them) runs faster than
-#: those skinny products: fitted to the width sweep's whole training steps (bench_e2e, lm-d1024/2048/4096,
-#: 8,192 tokens, ranks 1 and 4, the blocks path pinned against the dense weight), its estimates at 1.5
-#: TB/s came out 1.5-2.3x the measured step-time differences; at 2.8 TB/s all five planner choices match
-#: the faster of the two measured.
-H200 = DeviceModel(name="H200", gemm_flops=600e12, fp32_flops=45e12, bandwidth=1.5e12, launch_s=8e-6,
-                   graph_launch_s=3e-6, block_bandwidth=2.8e12)
+_DeviceModel.__name__ = _DeviceModel.__qualname__ = "DeviceModel"
+_H200_MODEL = _DeviceModel.from_profile(devices.H200)
+_DEPRECATED = {
+    "DeviceModel": (lambda: _DeviceModel, "comera_compile.devices.DeviceProfile (its tt_* fields)"),
+    "H200": (lambda: _H200_MODEL, "comera_compile.devices.H200"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names (``DeviceModel``, ``H200``), with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        get, new = _DEPRECATED[name]
+        warnings.warn(f"comera_compile.tt.planner.{name} is deprecated and will be removed in the next release: use "
+                      f"{new}, passed as profile=", DeprecationWarning, stacklevel=2)
+        return get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _profile(profile: Any, model: Any) -> DeviceProfile:
+    """The profile of an entry point's ``profile=`` / deprecated ``model=`` (a legacy ``DeviceModel`` is
+    taken for the profile it stands for)."""
+    if model is not None:
+        warnings.warn("the tensor-train planner's model= is deprecated and will be removed in the next release: "
+                      "pass profile= (a comera_compile.devices.DeviceProfile)", DeprecationWarning, stacklevel=3)
+        if profile is not devices.H200:
+            raise TypeError("pass profile= or the deprecated model=, not both")
+        profile = model
+    if type(profile) is DeviceProfile:
+        return profile
+    if isinstance(profile, _DeviceModel):
+        return profile.profile
+    if isinstance(profile, DeviceProfile):
+        return profile
+    raise TypeError(f"profile= takes a comera_compile.devices.DeviceProfile, got {type(profile).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,19 +458,28 @@ def _si(x: float) -> str:
 
 
 class _Costing:
-    """Accumulates the steps of one candidate."""
+    """Accumulates the steps of one candidate, priced at a profile's tensor-train rates: a GEMM takes
+    ``max(FLOPs / rate, bytes / bandwidth)`` plus a launch, a copy ``bytes / bandwidth`` plus a launch
+    (``blocks``: at the btt blocks path's bandwidth)."""
 
-    def __init__(self, model: DeviceModel, dtype_bytes: int, cudagraphs: bool):
-        self.model, self.e, self.steps = model, dtype_bytes, []
-        self.launch = model.graph_launch_s if cudagraphs else model.launch_s
+    def __init__(self, profile: DeviceProfile, dtype_bytes: int, cudagraphs: bool, blocks: bool = False):
+        if not profile.has_tt_rates:
+            raise ValueError(f"profile {profile.name!r} has no tensor-train rates (tt_* fields): plan with "
+                             "comera_compile.devices.H200, the planner's default on every device")
+        self.e, self.steps = dtype_bytes, []
+        self.rate = profile.tt_gemm_flops if dtype_bytes <= 2 else profile.tt_fp32_gemm_flops
+        self.bandwidth = profile.tt_skinny_gemm_bandwidth
+        if blocks and profile.btt_blocks_bandwidth is not None:
+            self.bandwidth = profile.btt_blocks_bandwidth
+        self.launch = profile.tt_graph_launch_s if cudagraphs else profile.tt_launch_s
 
     def gemm(self, phase: Phase, label: str, m: int, n: int, k: int, batch: int = 1, share: float = 1.0) -> None:
-        t = self.model.gemm_s(m, n, k, self.e, batch) + self.launch
-        self.steps.append(GemmStep(phase, label, m, n, k, batch, 2 * batch * m * n * k,
-                                   self.e * batch * (m * k + k * n + m * n), t * share))
+        flops, nbytes = 2 * batch * m * n * k, self.e * batch * (m * k + k * n + m * n)
+        t = max(flops / self.rate, nbytes / self.bandwidth) + self.launch
+        self.steps.append(GemmStep(phase, label, m, n, k, batch, flops, nbytes, t * share))
 
     def copy(self, phase: Phase, label: str, nbytes: int, share: float = 1.0) -> None:
-        t = self.model.copy_s(nbytes) + self.launch
+        t = nbytes / self.bandwidth + self.launch
         self.steps.append(GemmStep(phase, label, 0, 0, 0, 1, 0, nbytes, t * share))
 
     @property
@@ -445,13 +496,14 @@ def _add_merges(c: _Costing, spec: TTSpec, cut: Cut) -> None:
             c.gemm("merge_backward", f"d{name}: merge bwd", k, n, m)
 
 
-def _dense_weight_costing(model: DeviceModel, dtype_bytes: int, cudagraphs: bool, spec: TTSpec) -> tuple[_Costing, int]:
+def _dense_weight_costing(profile: DeviceProfile, dtype_bytes: int, cudagraphs: bool,
+                          spec: TTSpec) -> tuple[_Costing, int]:
     """The costing of a dense-weight candidate so far: the weight merged from its two halves at the best
     split (forward) and the gradient taken back through that product (``dL``, ``dR``); the caller adds
     what uses ``W``. Returns the costing and the split."""
     b = dense_split(spec)
     sizes, ranks = spec.sizes, spec.ranks
-    c = _Costing(model, dtype_bytes, cudagraphs)
+    c = _Costing(profile, dtype_bytes, cudagraphs)
     _add_merges(c, spec, cut_at(spec, b))
     sl, sr = math.prod(sizes[:b]), math.prod(sizes[b:])
     c.gemm("merge", "W = L·R", sl, sr, ranks[b])
@@ -509,7 +561,7 @@ def _choose(kind: PlanKind, spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, profile: DeviceProfile,
                         force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     P, Q = spec.padded_rows, spec.padded_cols
@@ -517,7 +569,7 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     a = spec.bottleneck
     if a is not None:  # the low-rank bottleneck between the row and the column modes
         r = spec.ranks[a]
-        c = _Costing(model, dtype_bytes, cudagraphs)
+        c = _Costing(profile, dtype_bytes, cudagraphs)
         _add_merges(c, spec, cut_at(spec, a))
         c.gemm("forward", "T = X·L", n, r, P)
         c.gemm("forward", "Y = T·R", n, Q, r)
@@ -526,7 +578,7 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
         c.gemm("backward", "dL = Xᵀ·dT", P, r, n)
         c.gemm("backward", "dR = Tᵀ·dY", r, Q, n)
         cands["factored"] = (c, a)
-    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, spec)
+    c, b = _dense_weight_costing(profile, dtype_bytes, cudagraphs, spec)
     if spec.interleaved:
         c.copy("merge_backward", "dW: back to chain order", 2 * dtype_bytes * P * Q)
     c.gemm("forward", "Y = X·W", n, Q, P)
@@ -534,7 +586,7 @@ def _plan_linear_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool
     c.gemm("backward", "dW = Xᵀ·dY", P, Q, n)
     cands["dense"] = (c, b)
     if spec.interleaved:  # a TT-matrix: the tokens contracted through the cores, the weight never formed
-        cands["contract"] = (_contract_costing(model, dtype_bytes, cudagraphs, spec, n), spec.natural_split)
+        cands["contract"] = (_contract_costing(profile, dtype_bytes, cudagraphs, spec, n), spec.natural_split)
     return _choose("linear", spec, n, dtype_bytes, cudagraphs, cands, t0, einsum_flops=_einsum_flops(spec, n),
                    force=force)
 
@@ -570,10 +622,10 @@ def contraction_path(spec: TTSpec, n_tokens: Any) -> tuple[str, tuple]:
     return eq, path
 
 
-def _contract_costing(model: DeviceModel, dtype_bytes: int, cudagraphs: bool, spec: TTSpec, n: int) -> _Costing:
+def _contract_costing(profile: DeviceProfile, dtype_bytes: int, cudagraphs: bool, spec: TTSpec, n: int) -> _Costing:
     """The ``"contract"`` candidate: each pairwise product of the path as a GEMM forward and two
     backward, each output regrouped (a copy) forward and its gradient backward."""
-    c = _Costing(model, dtype_bytes, cudagraphs)
+    c = _Costing(profile, dtype_bytes, cudagraphs)
     _, _, steps, sizes = _contraction_cached(spec, n)
     for step in steps:
         m, nn_, k, batch = _gemm_dims(step, sizes)
@@ -600,7 +652,7 @@ def _plannable(spec: TTSpec, what: str) -> TTSpec:
 
 
 def plan_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
+                profile: DeviceProfile = devices.H200, strategy: str | None = None, model: Any = None) -> TTPlan:
     """Plan ``x @ M`` (forward and backward) for the TT layer ``spec`` at ``n_tokens`` tokens (see the
     module doc).
 
@@ -608,19 +660,21 @@ def plan_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs
     guard). ``cudagraphs`` costs launches as inside a CUDA graph. Plans are cached on the chain
     (format, modes, ranks) and the other arguments; ``rows``, ``cols`` and ``transpose`` do not
     change a plan. ``strategy`` pins a candidate when the layer has it (else the cheapest wins); every
-    candidate is costed either way.
+    candidate is costed either way. ``profile``: the device's rates (its ``tt_`` fields; the H200's by
+    default, on every device; a profile without them raises a ValueError); ``model``: its deprecated
+    predecessor (a ``DeviceModel``, with a DeprecationWarning).
     """
     return _plan_linear_cached(_plannable(spec, "layer"), size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs),
-                               model, strategy)
+                               _profile(profile, model), strategy)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, profile: DeviceProfile,
                      force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     (b1, b2), (c, a), r = spec.row_modes, spec.col_modes, spec.ranks[1]
     P, Q, e = spec.padded_rows, spec.padded_cols, dtype_bytes
-    blocks = _Costing(model.for_blocks(), dtype_bytes, cudagraphs)
+    blocks = _Costing(profile, dtype_bytes, cudagraphs, blocks=True)
     blocks.copy("forward", "X: tokens to j-major", 2 * e * n * P)
     blocks.gemm("forward", "T = X·(R g), per j", n, c * r, b2, batch=b1)
     blocks.copy("forward", "T: j-major to c-major", 2 * e * n * b1 * c * r)
@@ -633,7 +687,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
     blocks.gemm("backward", "dX = dT·(R g)ᵀ, per j", n, b2, c * r, batch=b1)
     blocks.gemm("backward", "d(R g) = Xᵀ·dT, per j", b2, c * r, n, batch=b1)
     blocks.copy("backward", "dX: j-major to tokens", 2 * e * n * P)
-    dense = _Costing(model, dtype_bytes, cudagraphs)
+    dense = _Costing(profile, dtype_bytes, cudagraphs)
     dense.gemm("merge", "W = (R g)·L, per block", b2, a, r, batch=b1 * c)
     dense.copy("merge", "W: blocks to rows x cols", 2 * e * P * Q)
     dense.gemm("forward", "Y = X·W", n, Q, P)
@@ -646,7 +700,7 @@ def _plan_btt_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, m
 
 
 def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                    model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
+                    profile: DeviceProfile = devices.H200, strategy: str | None = None, model: Any = None) -> TTPlan:
     """Plan ``x @ M`` (forward and backward) for the block tensor-train layer ``spec`` (``fmt="btt"``) at
     ``n_tokens`` tokens. Two candidates:
 
@@ -658,19 +712,21 @@ def plan_btt_linear(spec: TTSpec, n_tokens: Any, dtype_bytes: int = 2, *, cudagr
     * ``"dense"``: the weight formed (one batched GEMM over the blocks), then ``nn.Linear``'s GEMMs.
 
     ``P x Q`` is the padded matrix. The cheaper estimate wins (:meth:`TTPlan.describe` lists both), or
-    ``strategy`` when it names one of the two."""
+    ``strategy`` when it names one of the two. ``profile`` / ``model``: as for :func:`plan_linear` (the
+    blocks path at the profile's ``btt_blocks_bandwidth``)."""
     if spec.fmt != "btt":
         raise ValueError(f"plan_btt_linear plans a 'btt' layer; got fmt={spec.fmt!r} (use plan_linear)")
     padded = TTSpec("btt", spec.row_modes, spec.col_modes, spec.ranks, spec.padded_rows, spec.padded_cols, False)
-    return _plan_btt_cached(padded, size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs), model, strategy)
+    return _plan_btt_cached(padded, size_hint(n_tokens), int(dtype_bytes), bool(cudagraphs), _profile(profile, model),
+                            strategy)
 
 
 def plan_tt_linear(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                    n_tokens: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                   model: DeviceModel = H200) -> TTPlan:
+                   profile: DeviceProfile = devices.H200, model: Any = None) -> TTPlan:
     """:func:`plan_linear` for the chain ``(fmt, row_modes, col_modes, ranks)``."""
     return plan_linear(_chain(fmt, row_modes, col_modes, ranks), n_tokens, dtype_bytes, cudagraphs=cudagraphs,
-                       model=model)
+                       profile=_profile(profile, model))
 
 
 # ----------------------------------------------------------------------------- embedding
@@ -691,7 +747,7 @@ def table_shapes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], r
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, model: DeviceModel,
+def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: bool, profile: DeviceProfile,
                            force: str | None = None) -> TTPlan:
     t0 = time.perf_counter()
     P, Q = spec.padded_rows, spec.padded_cols
@@ -700,7 +756,7 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
     tables: dict[int, Any] = {}
     for b in range(1, spec.n_cores):
         (il, ol, r), (ir, orr, _) = tables[b] = _table_shapes(spec, b)
-        c = _Costing(model, dtype_bytes, cudagraphs)
+        c = _Costing(profile, dtype_bytes, cudagraphs)
         _add_merges(c, spec, cut_at(spec, b))
         c.copy("forward", "gather A[iL], B[iR]", e * n * (ol + orr) * r * 2)
         c.gemm("forward", "out = A[iL]·B[iR]ᵀ", ol, orr, r, batch=n)
@@ -709,7 +765,7 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
         c.copy("backward", "scatter-add into dA, dB", 4 * (n * (ol + orr) * r * 2 + (il * ol + ir * orr) * r))
         if "tables" not in cands or c.total < cands["tables"][0].total:
             cands["tables"] = (c, b)
-    c, b = _dense_weight_costing(model, dtype_bytes, cudagraphs, spec)
+    c, b = _dense_weight_costing(profile, dtype_bytes, cudagraphs, spec)
     c.copy("forward", "lookup W[idx]", 2 * e * n * Q)
     c.copy("backward", "dW: zero + scatter-add", 4 * (P * Q + 2 * n * Q))
     cands["dense"] = (c, b)
@@ -717,19 +773,20 @@ def _plan_embedding_cached(spec: TTSpec, n: int, dtype_bytes: int, cudagraphs: b
 
 
 def plan_embedding(spec: TTSpec, n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                   model: DeviceModel = H200, strategy: str | None = None) -> TTPlan:
+                   profile: DeviceProfile = devices.H200, strategy: str | None = None, model: Any = None) -> TTPlan:
     """Plan a lookup of the TT embedding ``spec`` (forward + backward): gathered tables at the best
-    bond, or the dense table when that is cheaper (small vocabularies); ``strategy`` pins one."""
+    bond, or the dense table when that is cheaper (small vocabularies); ``strategy`` pins one.
+    ``profile`` / ``model``: as for :func:`plan_linear`."""
     return _plan_embedding_cached(_plannable(spec, "embedding"), size_hint(n_lookups), int(dtype_bytes),
-                                  bool(cudagraphs), model, strategy)
+                                  bool(cudagraphs), _profile(profile, model), strategy)
 
 
 def plan_tt_embedding(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
                       n_lookups: Any, dtype_bytes: int = 2, *, cudagraphs: bool = False,
-                      model: DeviceModel = H200) -> TTPlan:
+                      profile: DeviceProfile = devices.H200, model: Any = None) -> TTPlan:
     """:func:`plan_embedding` for the chain ``(fmt, row_modes, col_modes, ranks)``."""
     return plan_embedding(_chain(fmt, row_modes, col_modes, ranks), n_lookups, dtype_bytes, cudagraphs=cudagraphs,
-                          model=model)
+                          profile=_profile(profile, model))
 
 
 def clear_plan_cache() -> None:

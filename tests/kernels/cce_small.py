@@ -1,17 +1,20 @@
 """Shared by the fused loss's run-time-choice tests: a small head (64 x 48 x 256) priced like the
 Llama-3 head on the H200, with small tiles, and a fresh kept-fraction store per test."""
 
+import dataclasses
+
 import pytest
 
 import comera_compile.kernels.linear_cross_entropy as lce
 from comera_compile.kernels.linear_cross_entropy import cce_tuning, reset_kept_fractions
-from comera_compile.kernels.linear_cross_entropy_plan import DeviceRates
+from comera_compile import devices
 
 N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
 # Rates under which this small head prices like the Llama-3 head on the H200 (FLOP-bound, no fixed
 # costs): flat logits pick "chunked", a kept fraction below ~0.22 picks "sparse".
-SCALED = DeviceRates(softmax_elems=1e30, bandwidth=1e30, launch_s=0.0, sync_s=0.0, sparse_round_s=0.0,
-                     sparse_call_s=0.0, bounds_s=0.0)
+SCALED = dataclasses.replace(devices.H200, name="H200, scaled to a 64 x 48 x 256 head", cce_softmax_elems=1e30,
+                             hbm_bandwidth=1e30, cce_launch_s=0.0, cce_sync_s=0.0, sparse_round_s=0.0,
+                             sparse_call_s=0.0, forward_bounds_s=0.0)
 SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=16, bwd_block_n=16,
                    bwd_block_k=16, cons_block_d=16, group_v=2, fwd_group_m=2, dense_block_n=32,
                    fused_block_m=16, fused_block_n=32)

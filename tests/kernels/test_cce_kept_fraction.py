@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import comera_compile.kernels.linear_cross_entropy as lce
+from comera_compile.devices import H200
 from comera_compile.kernels.linear_cross_entropy import (
     cce_tuning,
     choose_strategy,
@@ -19,7 +20,6 @@ from comera_compile.kernels.linear_cross_entropy import (
     reset_kept_fractions,
 )
 from comera_compile.kernels.linear_cross_entropy_plan import (
-    H200,
     KEPT_EMA,
     ShapeClass,
     default_filter_eps,

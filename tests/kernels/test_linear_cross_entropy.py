@@ -628,7 +628,8 @@ def test_memory_policy_fuses_the_1_gib_cpu_head():
     the CPU's rates the fused loss is a few percent slower than Inductor's (measured 1.08x), within the
     memory policy's 1.15x: the default fuses it; "speed" does not. It was left unfused at the H200's
     rates, "estimated at 2.93 ms against 2.22 ms": the speed policy on the GPU still says so."""
-    from comera_compile.kernels.linear_cross_entropy_plan import CPU, MEMORY_POLICY_SLOWDOWN, decide_fused_loss
+    from comera_compile.devices import CPU
+    from comera_compile.kernels.linear_cross_entropy_plan import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
 
     head = (2048, 512, 131072, torch.float32)
     decision = decide_fused_loss(*head, rates=CPU)
@@ -644,7 +645,8 @@ def test_memory_policy_fuses_the_1_gib_cpu_head():
 def test_memory_policy_threshold_and_slowdown_cap():
     """The memory rule applies above the threshold only (strictly), and never beyond 1.15x: the CPU's
     bf16 head (its GEMMs run at the AMX rate unfused, in fp32 in the reference) stays unfused."""
-    from comera_compile.kernels.linear_cross_entropy_plan import CPU, decide_fused_loss
+    from comera_compile.devices import CPU
+    from comera_compile.kernels.linear_cross_entropy_plan import decide_fused_loss
 
     head = (2048, 512, 131072, torch.float32)
     assert decide_fused_loss(*head, memory_threshold=(1 << 30) - 1, rates=CPU).pays

@@ -382,7 +382,8 @@ def test_small_head_left_alone_naming_its_logits_memory():
 def _vocab_a_few_percent_slower(n_tokens, hidden, least):
     """A vocabulary (>= least) whose fused loss the CPU's rates put slower than the unfused one, within
     the memory policy's cap (found through the cost model, so it follows the rates)."""
-    from comera_compile.kernels.linear_cross_entropy_plan import CPU, MEMORY_POLICY_SLOWDOWN, decide_fused_loss
+    from comera_compile.devices import CPU
+    from comera_compile.kernels.linear_cross_entropy_plan import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
 
     for vocab in range(least, 20001, 100):
         if 1.0 < decide_fused_loss(n_tokens, hidden, vocab, torch.float32, rates=CPU).slowdown <= MEMORY_POLICY_SLOWDOWN:
