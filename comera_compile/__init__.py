@@ -32,6 +32,7 @@ from comera_compile.tt.planner import plan_tt_embedding, plan_tt_linear  # noqa:
 from comera_compile.rank_adaptation import RankAdaptation, RankConfig  # noqa: E402
 from comera_compile.tensorize.optim import param_groups  # noqa: E402
 from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from comera_compile.losses import FusedLinearCrossEntropyLoss  # noqa: E402  (the head apart from the model: torchtitan)
 from comera_compile.kernels.tt_embedding import tt_embedding  # noqa: E402
 from comera_compile.kernels.tt_linear import tt_linear  # noqa: E402
 from comera_compile.kernels.tt_materialize import tt_materialize  # noqa: E402
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompileOptions",
     "CompressionReport",
+    "FusedLinearCrossEntropyLoss",
     "OptionsError",
     "PassContext",
     "RankAdaptation",

@@ -1,0 +1,196 @@
+"""torchtitan 0.3.0 config functions for the comera demo (``--module comera_configs --config <name>``).
+
+Offline: a synthetic token stream (:class:`SyntheticDataLoader`, no dataset download) and no tokenizer
+files (:class:`NullTokenizer`), so nothing is fetched from a hub. The stream is learnable (each token
+follows from the previous two by a fixed random rule, with 10 % noise), so the loss curve falls.
+
+Three variants of each model, the same data, schedule and batch:
+
+* ``*_dense``: torchtitan's own setup (its ``ChunkedLossWrapper`` over the dense head);
+* ``*_fused``: the fused LM-head loss (``comera_compile.titan.FusedCrossEntropyLoss``);
+* ``*_comera``: the fused loss and the blocks' Linears as tensor trains (``TTConverter``), with
+  ``cc.param_groups``' learning-rate groups.
+
+Models: ``llama3_2048_*`` (Llama-3 style, d 2048, 16 layers, 32 heads, 8 KV heads, vocab 32768, seq
+2048; for one GPU) and ``llama3_tiny_*`` (d 64, 2 layers, vocab 256, seq 32; the CPU smoke run, with
+PyTorch's SDPA attention since FlexAttention has no backward on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.data import IterableDataset
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import default_adamw
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.llama3 import _build_llama3_layers, parallelize_llama
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+
+from comera_compile import titan
+
+
+class NullTokenizer(BaseTokenizer):
+    """A tokenizer with a vocabulary size and nothing to load (the data are token ids already)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = 256
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None, **kwargs):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.eos_id = 0
+
+    def encode(self, *args, **kwargs) -> list[int]:
+        raise NotImplementedError("NullTokenizer has no text vocabulary: the synthetic data are token ids")
+
+    def decode(self, *args, **kwargs) -> str:
+        raise NotImplementedError("NullTokenizer has no text vocabulary")
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+class _Tokens(IterableDataset):
+    """An endless stream of ([seq_len] input, [seq_len] labels): x[t] = rule[x[t-2], x[t-1]] (a fixed
+    random table), a uniform random token instead 10 % of the time; one stream per data-parallel rank."""
+
+    def __init__(self, vocab: int, seq_len: int, seed: int, rank: int):
+        self.vocab, self.seq_len, self.seed, self.rank = vocab, seq_len, seed, rank
+        self.step = 0
+
+    def __iter__(self):
+        rule = torch.randint(0, self.vocab, (self.vocab, self.vocab), generator=torch.Generator().manual_seed(self.seed))
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.rank + 1)
+        while True:
+            x = torch.empty(self.seq_len + 1, dtype=torch.long)
+            x[:2] = torch.randint(0, self.vocab, (2,), generator=g)
+            noise = torch.rand(self.seq_len + 1, generator=g) < 0.1
+            rand = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=g)
+            for t in range(2, self.seq_len + 1):
+                x[t] = rand[t] if noise[t] else rule[x[t - 2], x[t - 1]]
+            self.step += 1
+            yield {"input": x[:-1]}, x[1:]
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+class SyntheticDataLoader(ParallelAwareDataloader):
+    """torchtitan's dataloader slot over :class:`_Tokens`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        vocab_size: int = 256
+        seed: int = 0
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None, seq_len: int,
+                 local_batch_size: int, **kwargs):
+        dataset = _Tokens(config.vocab_size, seq_len, config.seed, dp_rank)
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size)
+
+
+def _model(dim: int, n_layers: int, n_heads: int, n_kv_heads: int | None, vocab: int, max_seq_len: int,
+           attn_backend: str, ffn_multiple: int) -> Llama3Model.Config:
+    s = dim ** -0.5
+    layers = _build_llama3_layers(
+        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=ffn_multiple),
+        rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=max_seq_len, theta=500000, scaling="llama"),
+        attn_backend="flex" if attn_backend == "sdpa" else attn_backend)
+    if attn_backend == "sdpa":  # causal SDPA (no document masks: the synthetic stream has none)
+        for layer in layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return Llama3Model.Config(
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init={"weight": nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": nn.init.ones_}),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab,
+                              param_init={"weight": lambda w: nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s)}),
+        layers=layers)
+
+
+def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int, steps: int, lr: float,
+             dtype: str, log_freq: int, ac: bool) -> Trainer.Config:
+    spec = ModelSpec(name="llama3", flavor="comera_demo", model=model, parallelize_fn=parallelize_llama,
+                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+    config = Trainer.Config(
+        model_spec=spec,
+        hf_assets_path="",
+        tokenizer=NullTokenizer.Config(vocab_size=vocab),
+        dataloader=SyntheticDataLoader.Config(vocab_size=vocab),
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
+        optimizer=default_adamw(lr=lr),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=max(1, steps // 20), decay_ratio=0.8,
+                                                  decay_type="linear", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps, disable_cuda_graphs=True,
+                                mixed_precision_param=dtype),
+        metrics=MetricsProcessor.Config(log_freq=log_freq, disable_color_printing=True),
+        parallelism=ParallelismConfig(),
+        checkpoint=CheckpointManager.Config(enable=False),
+        activation_checkpoint=SelectiveAC.Config() if ac else None,
+    )
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The d 2048 Llama-3-style model, one GPU (FSDP2 at world size 1, bf16 parameters)
+# ---------------------------------------------------------------------------------------------
+
+D2048 = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=32768, max_seq_len=2048, attn_backend="flex",
+             ffn_multiple=1024)
+TRAIN_2048 = dict(vocab=32768, seq_len=2048, batch=4, steps=300, dtype="bfloat16", log_freq=5, ac=True)
+TT_2048 = titan.TTConverter.Config(rank=32, fmt="auto", min_size=0)
+
+
+def llama3_2048_dense() -> Trainer.Config:
+    return _trainer(_model(**D2048), lr=6e-4, **TRAIN_2048)
+
+
+def llama3_2048_fused() -> Trainer.Config:
+    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), fused_loss=True)
+
+
+def llama3_2048_comera() -> Trainer.Config:
+    # a TT-matrix model trains best at a higher lr than its dense twin (cc.param_groups' docs: 8x at d 768)
+    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=3e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny model, for the CPU smoke run (fp32, SDPA attention)
+# ---------------------------------------------------------------------------------------------
+
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=None, vocab=256, max_seq_len=256, attn_backend="sdpa",
+            ffn_multiple=64)
+TRAIN_TINY = dict(vocab=256, seq_len=32, batch=4, steps=2, dtype="float32", log_freq=1, ac=False)
+TT_TINY = titan.TTConverter.Config(rank=4, min_size=0)
+
+
+def llama3_tiny_dense() -> Trainer.Config:
+    return _trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY)
+
+
+def llama3_tiny_fused() -> Trainer.Config:
+    return titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), fused_loss=True)
+
+
+def llama3_tiny_comera() -> Trainer.Config:
+    return titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3)

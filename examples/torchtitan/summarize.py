@@ -1,0 +1,51 @@
+"""Read torchtitan's step lines from OUT/<variant>.log; write OUT/summary.json and OUT/loss.png.
+
+    python summarize.py OUT dense fused comera
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.naninf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+
+
+def parse(path: Path) -> dict:
+    steps = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = LINE.search(line)
+        if m and "validate" not in line:
+            steps.append({"step": int(m[1]), "loss": float(m[2]), "memory_gib": float(m[3]),
+                          "tps": int(m[4].replace(",", ""))})
+    later = [s for s in steps if s["step"] > 10] or steps  # past compilation / warm-up
+    return {"steps": steps, "completed": steps[-1]["step"] if steps else 0,
+            "tokens_per_s": sum(s["tps"] for s in later) / len(later) if later else None,
+            "peak_memory_gib": max((s["memory_gib"] for s in steps), default=None),
+            "final_loss": steps[-1]["loss"] if steps else None}
+
+
+def main(out: str, *variants: str) -> None:
+    out_dir = Path(out)
+    summary = {v: parse(out_dir / f"{v}.log") for v in variants if (out_dir / f"{v}.log").exists()}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    for v, s in summary.items():
+        print(f"{v:8s} steps {s['completed']:4d}  tokens/s {s['tokens_per_s']}  peak {s['peak_memory_gib']} GiB  "
+              f"final loss {s['final_loss']}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for v, s in summary.items():
+        plt.plot([p["step"] for p in s["steps"]], [p["loss"] for p in s["steps"]], label=v)
+    plt.xlabel("step"), plt.ylabel("training loss"), plt.legend()
+    plt.savefig(out_dir / "loss.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

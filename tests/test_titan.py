@@ -1,0 +1,293 @@
+"""torchtitan integration (``comera_compile.titan``) on a tiny torchtitan Llama-3 (d 64, 2 layers, vocab
+256, PyTorch SDPA attention: torchtitan's FlexAttention has no backward on the CPU): the TT converter,
+the fused loss in torchtitan's loss slot, the learning-rate groups, the checkpoint layout file, rank
+adaptation's hooks, the example's configs, and FSDP2 (torchtitan's own ``apply_fsdp_to_decoder``) on 2
+CPU processes over gloo. Skipped without torchtitan (CI does not install it)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan.trainer")  # a submodule: examples/torchtitan/ is no stand-in for the package
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "torchtitan"))
+
+import comera_configs  # noqa: E402
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
+
+import comera_compile as cc  # noqa: E402
+from comera_compile import titan  # noqa: E402
+from comera_compile.losses import IGNORE_INDEX  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, DIM = 256, 64
+
+
+def build(tt: titan.TTConverter.Config | None = None, seed: int = 0):
+    """The tiny model as torchtitan builds it: on the meta device, verified, materialized, initialized."""
+    config = comera_configs._model(**comera_configs.TINY)
+    if tt is not None:
+        config = titan.TTConverter(tt).convert(config)
+    with torch.device("meta"):
+        model = config.build()
+    model.verify_module_protocol()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def batch(seed: int, ignored: float = 0.2):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels[torch.rand(labels.shape, generator=g) < ignored] = IGNORE_INDEX
+    return tokens, labels
+
+
+def test_the_converter_tensorizes_the_blocks_linears_only():
+    model = build(titan.TTConverter.Config(rank=4, min_size=0))
+    layers = {layer.fqn: layer for layer in cc.iter_tt_layers(model)}
+    linears = {f"layers.{i}.{name}" for i in range(2) for name in
+               ("attention.qkv_linear.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    assert set(layers) == linears
+    assert type(model.lm_head.weight) is torch.nn.Parameter and "tok_embeddings.weight" in dict(model.named_parameters())
+    for layer in layers.values():  # drawn at init_states, not left as to_empty's garbage
+        assert torch.isfinite(layer.param.core_flat).all() and layer.param.core_flat.abs().sum() > 0
+        assert torch.equal(layer.param.gate_flat, torch.ones_like(layer.param.gate_flat))
+        assert max(layer.spec.ranks) <= 4
+    again = build(titan.TTConverter.Config(rank=4, min_size=0), seed=123)  # every rank draws the same cores
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        if "parametrizations" in name:
+            assert torch.equal(p, q), name
+    only_mlp = build(titan.TTConverter.Config(rank=4, min_size=0, target_modules=["w1", "w2", "w3"]))
+    assert {layer.fqn.rsplit(".", 1)[-1] for layer in cc.iter_tt_layers(only_mlp)} == {"w1", "w2", "w3"}
+    with pytest.raises(ValueError, match="meta device"):
+        titan.TTConverter.Config(init="svd")
+
+
+def _losses_and_grads(model, loss_fn, batches):
+    model.zero_grad()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    valid = sum((labels != IGNORE_INDEX).sum() for _, labels in batches)
+    total = 0.0
+    for tokens, labels in batches:
+        loss, _ = loss_fn(model(tokens), labels, valid)
+        loss.backward()
+        total = total + loss.detach()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tt", [None, titan.TTConverter.Config(rank=4, min_size=0)], ids=["dense", "tt"])
+def test_the_fused_loss_in_torchtitans_slot_equals_its_chunked_loss(tt):
+    """Gradient accumulation over two microbatches, ignore_index included: torchtitan's own
+    ChunkedLossWrapper (logits per chunk) and the fused loss give the same losses and gradients."""
+    model = build(tt)
+    batches = [batch(1), batch(2, ignored=0.6)]
+    fused = titan.FusedCrossEntropyLoss.Config().build()
+    chunked = ChunkedLossWrapper.Config(num_chunks=4, loss_fn=CrossEntropyLoss.Config()).build()
+    assert isinstance(fused, ChunkedLossWrapper)  # torchtitan's trainer wires it as it wires its chunked loss
+    loss_a, grads_a = _losses_and_grads(model, fused, batches)
+    loss_b, grads_b = _losses_and_grads(copy.deepcopy(model), chunked, batches)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and "lm_head.weight" in grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_param_group_configs_give_torchtitans_optimizer_cc_param_groups():
+    model = build(titan.TTConverter.Config(rank=4, min_size=0))
+    config = OptimizersContainer.Config(param_groups=titan.param_group_configs(1e-3, gate_lr=5e-3),
+                                        implementation="for-loop")
+    container = config.build(model_parts=[model])
+    got = [(frozenset(map(id, g["params"])), g["lr"], g["weight_decay"])
+           for opt in container for g in opt.param_groups]
+    want = [(frozenset(map(id, g["params"])), g["lr"], g["weight_decay"])
+            for g in cc.param_groups(model, 1e-3, gate_lr=5e-3)]
+    assert sorted(got, key=str) == sorted(want, key=str)
+
+
+def test_the_layout_file_is_written_beside_a_checkpoint_and_checked_on_resume(tmp_path):
+    model = build(titan.TTConverter.Config(rank=4, min_size=0))
+    step = tmp_path / "step-2"
+    assert titan.write_layout([model], str(step))
+    assert (step / "comera_tt.json").exists()
+    assert titan.check_layout([model], str(step))
+    other = build(titan.TTConverter.Config(rank=2, min_size=0))
+    with pytest.raises(ValueError, match="field 'core_shapes'"):
+        titan.check_layout([other], str(step))
+    with pytest.raises(ValueError, match="no comera_tt.json"):
+        titan.check_layout([model], str(tmp_path / "step-1"))
+    assert not titan.check_layout([build()], str(tmp_path / "step-1"))  # a dense model needs none
+
+
+def test_rank_adaptation_hooks_on_torchtitans_optimizer_prune_without_fsdp():
+    model = build(titan.TTConverter.Config(rank=4, min_size=0))
+    model._skip_lm_head = True
+    container = OptimizersContainer.Config(param_groups=titan.param_group_configs(1e-2),
+                                           implementation="for-loop").build(model_parts=[model])
+    ranker = titan.attach_rank_adaptation(container, [model], cc.RankConfig(
+        target_compression=2.0, prune_every=2, threshold=2.0, switch="manual"))
+    before = ranker.ranks()
+    loss_fn = titan.FusedCrossEntropyLoss.Config().build()
+    loss_fn.set_lm_head(model.lm_head)
+    for step in range(2):
+        tokens, labels = batch(step)
+        loss, _ = loss_fn(model(tokens), labels, (labels != IGNORE_INDEX).sum())
+        loss.backward()
+        ranker.observe(loss)
+        container.step()  # the container's step runs the inner optimizer's hooks
+        container.zero_grad()
+    assert ranker.prune_events == 1 and ranker.ranks() != before
+    assert all(max(r) < max(b) for r, b in zip(ranker.ranks().values(), before.values()))
+
+
+def test_the_example_configs_parse_with_torchtitans_config_manager():
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera",
+                                         "--training.steps", "7", "--dump_folder", "/tmp/x"])
+    assert config.training.steps == 7 and isinstance(config.loss, titan.FusedCrossEntropyLoss.Config)
+    assert isinstance(config.checkpoint, titan.CheckpointManager.Config)
+    assert config.model_spec.model._comera_tt_converter.rank == 32 and config.model_spec.model.dim == 2048
+    assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [3e-3] * 4
+    dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])
+    assert isinstance(dense.loss, ChunkedLossWrapper.Config) and not hasattr(dense.model_spec.model,
+                                                                              "_comera_tt_converter")
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2 (torchtitan's apply_fsdp_to_decoder) on 2 CPU processes over gloo
+# ------------------------------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.save(_fsdp_scenario(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_run(rank: int, loss_fn, batches) -> dict:
+    """The tiny TT model under torchtitan's FSDP2 layout (TT parametrizations replicated first), this
+    rank's microbatches through ``loss_fn``; the gathered gradients and torchtitan's clipped norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    model = build(titan.TTConverter.Config(rank=4, min_size=0))
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+    assert titan.replicate_tt_params(model, mesh) == 10
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (torchtitan's divide factor 1)
+    placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    valid = sum((lab != IGNORE_INDEX).sum() for r in range(WORLD) for _, lab in batches[r])
+    model.zero_grad()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    loss = 0.0
+    for tokens, labels in batches[rank]:  # torchtitan's accumulation: each over the step's global count
+        part, _ = loss_fn(model(tokens), labels, valid)
+        part.backward()
+        loss = loss + part.detach()
+    dist.all_reduce(loss)
+    norm = clip_grad_norm_([p for p in model.parameters()], max_norm=1e9, foreach=True)
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    container = OptimizersContainer.Config(param_groups=titan.param_group_configs(1e-3),
+                                           implementation="for-loop").build(model_parts=[model])
+    container.step()  # AdamW over sharded and replicated DTensors on one mesh
+    try:
+        titan.attach_rank_adaptation(container, [model], cc.RankConfig(target_compression=2.0))
+        refused = ""
+    except NotImplementedError as exc:
+        refused = str(exc)
+    return {"placements": placements, "loss": loss, "grads": grads, "norm": norm, "refused": refused}
+
+
+def _fsdp_scenario(rank: int) -> dict:
+    batches = [[batch(10 * r + m, ignored=0.1 + 0.3 * m) for m in range(2)] for r in range(WORLD)]
+    fused = _fsdp_run(rank, titan.FusedCrossEntropyLoss.Config().build(), batches)
+    chunked = _fsdp_run(rank, ChunkedLossWrapper.Config(num_chunks=4, loss_fn=CrossEntropyLoss.Config()).build(),
+                        batches)
+    ref = build(titan.TTConverter.Config(rank=4, min_size=0)).double()
+    ref._skip_lm_head = True  # the hidden states, then the head and the loss in float64 eager
+    h = torch.cat([ref(tok).reshape(-1, DIM) for r in range(WORLD) for tok, _ in batches[r]])
+    y = torch.cat([lab.reshape(-1) for r in range(WORLD) for _, lab in batches[r]])
+    ref_loss = F.cross_entropy(F.linear(h, ref.lm_head.weight), y, ignore_index=IGNORE_INDEX)
+    ref_loss.backward()
+    return {"fused": fused, "chunked": chunked, "ref_loss": ref_loss.detach(),
+            "ref_grads": {n: p.grad for n, p in ref.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("titan_fsdp2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_fsdp2_replicates_the_tt_cores_and_shards_the_rest(fsdp_results):
+    for res in fsdp_results:
+        for name, placement in res["fused"]["placements"].items():
+            want = "(Replicate(),)" if "parametrizations" in name else "(Shard(dim=0),)"
+            assert placement == want, (name, placement)
+
+
+def test_fsdp2_fused_loss_equals_torchtitans_chunked_loss(fsdp_results):
+    """Under torchtitan's FSDP2 layout, gradient accumulation and ignore_index: the fused loss gives the
+    losses, gradients and clipped norm of torchtitan's own ChunkedLossWrapper."""
+    for res in fsdp_results:
+        fused, chunked = res["fused"], res["chunked"]
+        torch.testing.assert_close(fused["loss"], chunked["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused["norm"], chunked["norm"], rtol=1e-4, atol=1e-6)
+        assert fused["grads"].keys() == chunked["grads"].keys()
+        for name, want in chunked["grads"].items():
+            torch.testing.assert_close(fused["grads"][name], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_fsdp2_loss_matches_one_process_float64(fsdp_results):
+    for res in fsdp_results:
+        torch.testing.assert_close(res["fused"]["loss"].double(), res["ref_loss"], rtol=1e-5, atol=1e-6)
+        head = res["fused"]["grads"]["lm_head.weight"].double()
+        torch.testing.assert_close(head, res["ref_grads"]["lm_head.weight"], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp2_decoder_gradients_match_one_process_float64(fsdp_results):
+    for res in fsdp_results:
+        for name, want in res["ref_grads"].items():
+            torch.testing.assert_close(res["fused"]["grads"][name].double(), want, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def test_rank_adaptation_is_refused_where_fsdp2_holds_the_cores(fsdp_results):
+    for res in fsdp_results:
+        assert res["fused"]["refused"].startswith("RankAdaptation under torchtitan changes the shapes"), \
+            res["fused"]["refused"]
