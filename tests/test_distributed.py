@@ -144,6 +144,19 @@ def _resizing_under_fsdp2() -> list[str]:
     return messages
 
 
+def _load_under_fsdp2() -> dict:
+    """A sharded tensorized model loads the state dict of another (same ranks, other values), as a
+    resume through torch.distributed.checkpoint does: each rank keeps its shard of the loaded values."""
+    source, target = make_lm(seed=1), make_lm(seed=2)
+    _fsdp2(source)
+    _fsdp2(target)
+    result = target.load_state_dict(source.state_dict())
+    return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
+            "source": {n: _full(p) for n, p in source.named_parameters()},
+            "target": {n: _full(p) for n, p in target.named_parameters()},
+            "sharded": sorted(n for n, p in target.named_parameters() if hasattr(p, "full_tensor"))}
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import time
 
@@ -156,7 +169,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for name, run in (("ddp", lambda: _train_against_reference(_ddp, rank)),
                           ("fsdp2", lambda: _train_against_reference(_fsdp2, rank)),
                           ("ddp_rank_adaptation", lambda: _rank_adaptation_under_ddp(rank)),
-                          ("fsdp2_resizing", _resizing_under_fsdp2)):
+                          ("fsdp2_resizing", _resizing_under_fsdp2),
+                          ("fsdp2_load", _load_under_fsdp2)):
             start = time.perf_counter()
             results[name] = run()
             seconds[name] = round(time.perf_counter() - start, 1)
@@ -203,3 +217,16 @@ def test_resizing_tt_cores_under_fsdp2_raises_a_clear_error(results):
         assert "FSDP2 (fully_shard)" in whole_model and "['emb', 'fc', 'proj']" in whole_model
         n = make_lm().fc.parametrizations.weight[0].core_flat.numel()  # the flat cores, unsharded
         assert one_parameter.startswith(f"resizing a parameter from ({n},) to (2,) changes"), one_parameter
+
+
+def test_a_sharded_tensorized_model_loads_a_checkpoint_of_the_same_ranks(results):
+    """FSDP2 fixes the sharded shapes, so loading copies into each rank's shard in place (it used to
+    refuse: "resizing a parameter from (n,) to (n,)")."""
+    fresh = make_lm(seed=1)
+    for res in results:
+        run = res["fsdp2_load"]
+        assert run["missing"] == [] and run["unexpected"] == []
+        assert any("core_flat" in n for n in run["sharded"])
+        for name, want in run["source"].items():
+            assert torch.equal(run["target"][name], want), name
+            assert torch.equal(want, dict(fresh.named_parameters())[name].detach()), name

@@ -55,6 +55,11 @@ _FSDP2_RESIZE = ("{what} changes the shapes of tensor-train cores and gates, whi
                  "checkpoints with pruned ranks before calling fully_shard.")
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it in the same order), else ``t``."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
 def _is_dtensor(t: object) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -181,11 +186,31 @@ class TTParametrization(nn.Module):
 
     @torch.no_grad()
     def assign_(self, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> None:
-        """Replace every core and gate (shapes may change; the Parameters keep their identity)."""
+        """Replace every core and gate (shapes may change; the Parameters keep their identity). Under
+        FSDP2 (the flat Parameters are DTensors) the shapes must stay: the values are copied in place,
+        each rank keeping its shard (how a checkpoint of the same ranks loads)."""
+        if _is_dtensor(self.core_flat) or _is_dtensor(self.gate_flat):
+            same = ([tuple(c.shape) for c in cores] == [tuple(s) for s in self.core_shapes]
+                    and [g.numel() for g in gates] == [int(n) for n in self.gate_sizes])
+            if same:
+                self._copy_into_sharded([_full(c) for c in cores], [_full(g) for g in gates])
+                return
         core_flat, gate_flat = tt.join_flat(cores, gates, like=self.gate_flat.data)
         set_parameter_data_(self.core_flat, core_flat.to(self.core_flat))
         set_parameter_data_(self.gate_flat, gate_flat.to(self.gate_flat))
         self._set_shapes([tuple(c.shape) for c in cores], [g.numel() for g in gates])
+
+    def _copy_into_sharded(self, cores: list[torch.Tensor], gates: list[torch.Tensor]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        local = self.gate_flat.to_local() if _is_dtensor(self.gate_flat) else self.gate_flat.data
+        flats = tt.join_flat(cores, gates, like=local)
+        with torch.no_grad():
+            for param, flat in zip((self.core_flat, self.gate_flat), flats):
+                flat = flat.to(device=param.device, dtype=param.dtype)
+                if _is_dtensor(param):
+                    flat = distribute_tensor(flat, param.device_mesh, param.placements)
+                param.copy_(flat)
 
     @property
     def ranks(self) -> list[int]:
