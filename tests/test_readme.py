@@ -104,3 +104,16 @@ def test_readme_trainer_section_says_what_fails_and_why():
     for needed in ("'COMERA' is not a valid DynamoBackend", "The batch received was empty", "accelerate",
                    "cc.hf.compile", "SFTTrainer", "Seq2SeqTrainer"):
         assert needed in section, needed
+
+
+def test_readme_api_table_lists_every_public_name():
+    import comera_compile as cc
+
+    section = README.read_text().split("## API")[1].split("\n## ")[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert set(cc.__all__) - listed == set(), "cc.__all__ names missing from README's API table"
+    assert listed - set(cc.__all__) == set(), "README's API table names what cc.__all__ does not export"
+
+
+def test_readme_stays_short():
+    assert len(README.read_text().splitlines()) <= 400
