@@ -115,8 +115,10 @@ def test_auto_cudagraphs_only_for_gpu_graphs_with_tensor_train_sites():
     cce.rewrites.append(RewriteRecord("cce", "head"))
 
     def auto(report, inputs):
-        return PassContext(options=CompileOptions(), training=True, report=report,
-                           example_inputs=inputs).cudagraphs()
+        ctx = PassContext(options=CompileOptions(), training=True, report=report, example_inputs=inputs)
+        if report is tt:  # what the tensor-network pass asks for when it lowers a layer (test_pass_manager
+            ctx.request_cudagraphs("1 tensor-train site(s)")  # checks that it does)
+        return ctx.cudagraphs()
 
     assert auto(tt, on_gpu) is True
     assert auto(tt, on_cpu) is False
