@@ -54,9 +54,12 @@ from .linear_cross_entropy_plan import (
     CCEStats,
     CCETuning,
     FusedLossDecision,
+    KeptFractionStore,
+    pinned_kept_fraction_store,
     adaptive_plan,
     cce_tuning,
     choose_strategy,
+    current_kept_fraction_store,
     current_tuning,
     decide_fused_loss,
     default_filter_eps,
@@ -70,12 +73,14 @@ from .linear_cross_entropy_plan import (
     record_cce_stats,
     reset_kept_fractions,
     runtime_strategy,
+    use_kept_fraction_store,
 )
 
 __all__ = [
-    "CCEStats", "CCETuning", "FusedLossDecision", "LCEOptions", "cce_tuning", "choose_strategy",
-    "adaptive_plan", "decide_fused_loss", "default_filter_eps", "describe_logits", "fused_loss_pays", "kept_fractions",
-    "linear_cross_entropy", "logits_bytes", "rates_for", "record_cce_stats", "reset_kept_fractions",
+    "CCEStats", "CCETuning", "FusedLossDecision", "KeptFractionStore", "LCEOptions", "cce_tuning", "choose_strategy",
+    "adaptive_plan", "current_kept_fraction_store", "decide_fused_loss", "default_filter_eps", "describe_logits",
+    "fused_loss_pays", "kept_fractions", "linear_cross_entropy", "logits_bytes", "rates_for", "record_cce_stats",
+    "reset_kept_fractions", "use_kept_fraction_store",
 ]
 
 OP = "comera::linear_cross_entropy"
@@ -444,9 +449,19 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, target, bias, lse, tz, dx, dw, db)
     ctx.options, ctx.loss_shape = o, loss.shape
     ctx.formed = o.forms_grads(x.shape[1], bias is not None)
+    # the kept-fraction store the forward ran under: the backward (which autograd may run after the
+    # caller's use_kept_fraction_store block, or on another thread) observes into it. Eager only:
+    # under torch.compile this runs while tracing, and the compiled backward reads the store
+    # current when it runs.
+    ctx.kept_store = current_kept_fraction_store()
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
+    with pinned_kept_fraction_store(getattr(ctx, "kept_store", None)):
+        return _backward_in_store(ctx, grad_loss, grad_lse)
+
+
+def _backward_in_store(ctx, grad_loss, grad_lse):
     x, weight, target, bias, lse, tz, dx_f, dw_f, db_f = ctx.saved_tensors
     o: LCEOptions = ctx.options
     need_dx, need_dw, _, need_db = ctx.needs_input_grad[:4]
@@ -546,7 +561,9 @@ def linear_cross_entropy(
       class and after ``CCETuning.probe_every`` (50) calls without them, to keep the observation
       current. ``kept_fractions()`` shows the observations (a ``KeptFraction`` per ``ShapeClass``),
       ``reset_kept_fractions()`` forgets them (e.g. between two models); a pinned strategy neither
-      probes nor follows them (a sparse run still reports what it kept).
+      probes nor follows them (a sparse run still reports what it kept). The observations live in
+      the current ``KeptFractionStore``: the process's default one, or the caller's own within
+      ``use_kept_fraction_store(store)`` (one store per model: no call sees another model's).
     * ``memory_budget``: bytes of working memory beyond the inputs and gradients (default: 1/16 of
       the fp32 logits, at least 64 MiB); more memory buys larger chunks.
     * ``deterministic=True``: bitwise repeatable gradients (never the sparse path).

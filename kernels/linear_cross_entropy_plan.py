@@ -37,10 +37,13 @@ slower); ``decide_fused_loss`` gives both answers for one head from one run of t
 The sparse path's cost depends on the fraction of gradient tiles its filter keeps, a property of the
 model's logits, not of the shapes: flat (an untrained head, :func:`estimate_seconds`'s assumption when
 it is given none) or peaked (a trained one: far fewer tiles). Every sparse backward reports the
-fraction it kept (:func:`observe_kept_fraction`) to a process-wide, thread-safe store keyed by the
-shape class (:class:`ShapeClass`: vocabulary, hidden size, dtype, filter_eps), which keeps a running
-estimate (:class:`KeptFraction`, an exponential moving average); :func:`kept_fractions` shows it,
-:func:`reset_kept_fractions` clears it. :func:`choose_strategy` prices the sparse path at the observed
+fraction it kept (:func:`observe_kept_fraction`) to the current store (:class:`KeptFractionStore`,
+thread-safe) keyed by the shape class (:class:`ShapeClass`: vocabulary, hidden size, dtype,
+filter_eps), which keeps a running estimate (:class:`KeptFraction`, an exponential moving average);
+:func:`kept_fractions` shows it, :func:`reset_kept_fractions` clears it. The current store is the
+process's default one unless a :func:`use_kept_fraction_store` block makes a caller's own current,
+so that one model's observations do not decide the paths of another's calls; an eager backward
+observes into the store its forward ran under. :func:`choose_strategy` prices the sparse path at the observed
 fraction when there is one. A call planned by ``strategy="auto"`` (the op's ``adaptive`` option: the
 public function's "auto", the cce pass unless ``cce_strategy`` pins a path) re-decides at run time,
 inside the op and outside any traced graph, by :func:`runtime_strategy`: among the paths whose outputs
@@ -73,12 +76,13 @@ from comera_compile.devices import DeviceProfile
 __all__ = [
     "BACKWARDS", "CPU", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "KEPT_EMA", "MEMORY_POLICY_SLOWDOWN",
     "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "DeviceRates", "FusedLossDecision",
-    "H200", "KeptFraction", "ReferenceRates", "ShapeClass", "adaptive_plan", "cce_tuning", "choose_strategy",
-    "chunk_plan",
+    "H200", "KeptFraction", "KeptFractionStore", "ReferenceRates", "ShapeClass", "adaptive_plan", "cce_tuning",
+    "choose_strategy", "chunk_plan", "current_kept_fraction_store", "default_kept_fraction_store",
     "current_tuning", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
     "estimate_seconds", "format_bytes", "forward_bounds_pay", "fused_loss_pays", "kept_fractions", "logits_bytes",
-    "observe_kept_fraction", "observed_kept_fraction", "rates_for", "record", "record_cce_stats",
-    "reset_kept_fractions", "runtime_strategy",
+    "observe_kept_fraction", "observed_kept_fraction", "pinned_kept_fraction_store", "rates_for", "record",
+    "record_cce_stats",
+    "reset_kept_fractions", "runtime_strategy", "use_kept_fraction_store",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -316,31 +320,161 @@ class KeptFraction:
     skipped: Optional[float] = None
 
 
-_KEPT: dict[ShapeClass, KeptFraction] = {}
-_CALLS: dict[ShapeClass, int] = {}  # calls planned by "auto" since the last observation
-_UNBOUNDED: dict[ShapeClass, int] = {}  # forward rounds without the bounds since the last with them
-
-
 def _shape_class(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> ShapeClass:
     return ShapeClass(int(vocab), int(hidden), dtype, float(filter_eps))
 
 
+class KeptFractionStore:
+    """The observed kept fractions of the sparse path, by :class:`ShapeClass`, with the call counters
+    that ``strategy="auto"`` keeps between observations, behind a lock of its own (thread-safe).
+
+    The fused loss reads and writes the current store (:func:`current_kept_fraction_store`): the
+    process's default one unless a :func:`use_kept_fraction_store` block makes another current, so
+    that a caller (a model, a benchmark, a test) owns its observations and the calls under another
+    store neither see nor change them. The module functions (:func:`observe_kept_fraction`,
+    :func:`observed_kept_fraction`, :func:`kept_fractions`, :func:`reset_kept_fractions`,
+    :func:`runtime_strategy`, :func:`forward_bounds_pay`) act on the current store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[ShapeClass, KeptFraction] = {}
+        self._calls: dict[ShapeClass, int] = {}  # calls planned by "auto" since the last observation
+        self._unbounded: dict[ShapeClass, int] = {}  # forward rounds without the bounds since the last with them
+
+    def observe(self, vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float,
+                kept_tiles: int, tiles: int, skipped_tiles: Optional[int] = None) -> None:
+        """Fold one sparse pass's count into the estimate of its shape class (see
+        :func:`observe_kept_fraction`; no-op for ``tiles`` 0)."""
+        if tiles <= 0:
+            return
+        key = _shape_class(vocab, hidden, dtype, filter_eps)
+        seen = min(1.0, max(0.0, kept_tiles / tiles))
+        with self._lock:
+            old = self._kept.get(key)
+            fraction = _fold(old.fraction if old else None, seen, self._calls.pop(key, 0))
+            skipped = old.skipped if old else None
+            if skipped_tiles is not None:
+                skipped = _fold(skipped, min(1.0, max(0.0, skipped_tiles / tiles)), self._unbounded.pop(key, 0))
+            self._kept[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1, skipped)
+
+    def get(self, vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float) -> Optional[KeptFraction]:
+        """What was observed for this shape class, or None."""
+        with self._lock:
+            return self._kept.get(_shape_class(vocab, hidden, dtype, filter_eps))
+
+    def estimate(self, vocab: int, hidden: int, dtype: torch.dtype,
+                 filter_eps: Optional[float] = None) -> Optional[float]:
+        """The running estimate of the kept fraction for this shape class (``filter_eps`` None: the
+        dtype's default), or None when none was observed."""
+        eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
+        seen = self.get(vocab, hidden, dtype, eps)
+        return seen.fraction if seen is not None else None
+
+    def snapshot(self) -> dict[ShapeClass, KeptFraction]:
+        """A copy of every observed kept fraction, by shape class."""
+        with self._lock:
+            return dict(self._kept)
+
+    def reset(self) -> None:
+        """Forget every observation and every call count."""
+        with self._lock:
+            self._kept.clear()
+            self._calls.clear()
+            self._unbounded.clear()
+
+    def count_auto_call(self, vocab: int, hidden: int, dtype: torch.dtype,
+                        filter_eps: float) -> tuple[Optional[KeptFraction], int]:
+        """Count a call planned by "auto" that decides at run time (:func:`runtime_strategy`): what
+        was observed for its shape class (or None) and the calls counted since the last observation,
+        this one included."""
+        key = _shape_class(vocab, hidden, dtype, filter_eps)
+        with self._lock:
+            calls = self._calls[key] = self._calls.get(key, 0) + 1
+            return self._kept.get(key), calls
+
+    def forward_bounds_pay(self, vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float,
+                           tuning: Optional[CCETuning] = None) -> bool:
+        """:func:`forward_bounds_pay` on this store (``tuning``: the current one when None); counts
+        the calls it answers False."""
+        tun = tuning if tuning is not None else current_tuning()
+        if not tun.forward_bounds:
+            return False
+        key = _shape_class(vocab, hidden, dtype, filter_eps)
+        with self._lock:
+            seen = self._kept.get(key)
+            if seen is None or seen.skipped is None or _seen_to_pay(seen, tun):
+                return True
+            calls = self._unbounded[key] = self._unbounded.get(key, 0) + 1
+        return calls >= max(1, tun.probe_every)
+
+
+_DEFAULT_STORE = KeptFractionStore()  # the store of a caller that chose none
+_STORE_STACK: list[KeptFractionStore] = []
+_PINNED = threading.local()  # per thread: a backward's store, its forward's (pinned_kept_fraction_store)
+
+
+def default_kept_fraction_store() -> KeptFractionStore:
+    """The process's default store: the current one outside any :func:`use_kept_fraction_store` block."""
+    return _DEFAULT_STORE
+
+
+def current_kept_fraction_store() -> KeptFractionStore:
+    """The store the fused loss observes into and decides from now: within a backward of the op, the
+    store that was current when its forward ran; else the innermost :func:`use_kept_fraction_store`
+    block's; else the default one."""
+    pinned = getattr(_PINNED, "stores", None)
+    if pinned:
+        return pinned[-1]
+    with _LOCK:
+        return _STORE_STACK[-1] if _STORE_STACK else _DEFAULT_STORE
+
+
+@contextlib.contextmanager
+def use_kept_fraction_store(store: Optional[KeptFractionStore] = None) -> Iterator[KeptFractionStore]:
+    """Make ``store`` (None: a new, empty one) the current :class:`KeptFractionStore` while the
+    block runs; yields it. Like :func:`cce_tuning` the setting is process-wide while the block runs
+    (a forward's sparse rounds, and the decisions of every call, read it from any thread), so use it
+    from one thread at a time. A backward that autograd runs after the block exited (eager mode)
+    still observes into the store that was current when its forward ran: the op's autograd keeps it
+    for the backward. Under ``torch.compile`` no Python object travels from the compiled forward to
+    the compiled backward (the op's arguments are primitives), so there a backward observes into
+    the store current when it runs."""
+    if store is None:
+        store = KeptFractionStore()
+    if not isinstance(store, KeptFractionStore):
+        raise TypeError(f"use_kept_fraction_store: expected a KeptFractionStore, got {type(store).__name__}")
+    with _LOCK:
+        _STORE_STACK.append(store)
+    try:
+        yield store
+    finally:
+        _remove(_STORE_STACK, store)
+
+
+@contextlib.contextmanager
+def pinned_kept_fraction_store(store: Optional[KeptFractionStore]) -> Iterator[None]:
+    """Within the block, on this thread only, ``store`` is the current one whatever
+    :func:`use_kept_fraction_store` block is active (None: no change): the op's eager backward runs
+    under the store of its forward this way."""
+    if store is None:
+        yield
+        return
+    stores = getattr(_PINNED, "stores", None)
+    if stores is None:
+        stores = _PINNED.stores = []
+    stores.append(store)
+    try:
+        yield
+    finally:
+        stores.pop()
+
+
 def observe_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: float,
                           kept_tiles: int, tiles: int, skipped_tiles: Optional[int] = None) -> None:
-    """Fold one sparse pass's count into the estimate of its shape class: ``kept_tiles`` of the
+    """Fold one sparse pass's count into the estimate of its shape class in the current store: ``kept_tiles`` of the
     ``tiles`` of the vocabulary blocks its rounds covered, and where the rounds had the forward's
     logit bounds, ``skipped_tiles`` of them ruled out (the sparse path calls it; no-op for 0)."""
-    if tiles <= 0:
-        return
-    key = _shape_class(vocab, hidden, dtype, filter_eps)
-    seen = min(1.0, max(0.0, kept_tiles / tiles))
-    with _LOCK:
-        old = _KEPT.get(key)
-        fraction = _fold(old.fraction if old else None, seen, _CALLS.pop(key, 0))
-        skipped = old.skipped if old else None
-        if skipped_tiles is not None:
-            skipped = _fold(skipped, min(1.0, max(0.0, skipped_tiles / tiles)), _UNBOUNDED.pop(key, 0))
-        _KEPT[key] = KeptFraction(fraction, seen, (old.observations if old else 0) + 1, skipped)
+    current_kept_fraction_store().observe(vocab, hidden, dtype, filter_eps, kept_tiles, tiles, skipped_tiles)
 
 
 def _fold(estimate: Optional[float], value: float, silent_calls: int) -> float:
@@ -363,45 +497,32 @@ def forward_bounds_pay(vocab: int, hidden: int, dtype: torch.dtype, filter_eps: 
     bounds: ``CCETuning.forward_bounds`` is on and either no call of this shape class has measured
     what they rule out, or the running estimate (``KeptFraction.skipped``) is at least
     ``CCETuning.bounds_min_skip``, or ``probe_every`` calls have passed without them (a probe, to
-    keep the estimate current). Counts the calls it answers False (host-side state only)."""
-    tun = current_tuning()
-    if not tun.forward_bounds:
-        return False
-    key = _shape_class(vocab, hidden, dtype, filter_eps)
-    with _LOCK:
-        seen = _KEPT.get(key)
-        if seen is None or seen.skipped is None or _seen_to_pay(seen, tun):
-            return True
-        calls = _UNBOUNDED[key] = _UNBOUNDED.get(key, 0) + 1
-    return calls >= max(1, tun.probe_every)
+    keep the estimate current). Counts the calls it answers False (host-side state only, in the
+    current store)."""
+    return current_kept_fraction_store().forward_bounds_pay(vocab, hidden, dtype, filter_eps)
 
 
 def observed_kept_fraction(vocab: int, hidden: int, dtype: torch.dtype,
                            filter_eps: Optional[float] = None) -> Optional[float]:
-    """The running estimate of the kept fraction for this shape class (``filter_eps`` None: the
-    dtype's default), or None when none was observed, or while Dynamo traces: a traced graph is
-    planned from the shapes alone and the op re-decides at run time (:func:`runtime_strategy`)."""
+    """The running estimate of the kept fraction for this shape class in the current store
+    (``filter_eps`` None: the dtype's default), or None when none was observed, or while Dynamo
+    traces: a traced graph is planned from the shapes alone and the op re-decides at run time
+    (:func:`runtime_strategy`)."""
     if torch.compiler.is_compiling():
         return None
-    eps = filter_eps if filter_eps is not None else default_filter_eps(dtype)
-    with _LOCK:
-        seen = _KEPT.get(_shape_class(vocab, hidden, dtype, eps))
-    return seen.fraction if seen is not None else None
+    return current_kept_fraction_store().estimate(vocab, hidden, dtype, filter_eps)
 
 
 def kept_fractions() -> dict[ShapeClass, KeptFraction]:
-    """A snapshot of every observed kept fraction, by shape class."""
-    with _LOCK:
-        return dict(_KEPT)
+    """A snapshot of every observed kept fraction of the current store, by shape class."""
+    return current_kept_fraction_store().snapshot()
 
 
 def reset_kept_fractions() -> None:
-    """Forget every observation (e.g. before benchmarking another model): ``strategy="auto"`` then
-    prices the sparse path at the flat-softmax assumption again, and probes it on its next call."""
-    with _LOCK:
-        _KEPT.clear()
-        _CALLS.clear()
-        _UNBOUNDED.clear()
+    """Forget every observation of the current store (e.g. before benchmarking another model):
+    ``strategy="auto"`` then prices the sparse path at the flat-softmax assumption again, and probes
+    it on its next call."""
+    current_kept_fraction_store().reset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,11 +871,8 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     """
     rates = _as_profile(profile, rates, devices.H200)
     other = "chunked" if planned == "chunked" else "static"
-    key = _shape_class(vocab, hidden, dtype, filter_eps)
     tun = current_tuning()
-    with _LOCK:
-        seen = _KEPT.get(key)
-        calls = _CALLS[key] = _CALLS.get(key, 0) + 1
+    seen, calls = current_kept_fraction_store().count_auto_call(vocab, hidden, dtype, filter_eps)
     if seen is None or calls >= max(1, tun.probe_every):
         return "sparse"
     skipped = seen.skipped if other == "chunked" and _seen_to_pay(seen, tun) else 0.0

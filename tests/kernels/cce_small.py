@@ -1,5 +1,5 @@
 """Shared by the fused loss's run-time-choice tests: a small head (64 x 48 x 256) priced like the
-Llama-3 head on the H200, with small tiles, and a fresh kept-fraction store per test."""
+Llama-3 head on the H200, with small tiles, and the default kept-fraction store emptied for each test."""
 
 import dataclasses
 
@@ -7,6 +7,7 @@ import pytest
 
 import comera_compile.kernels.linear_cross_entropy as lce
 from comera_compile.kernels.linear_cross_entropy import cce_tuning, reset_kept_fractions
+from comera_compile.kernels.linear_cross_entropy_plan import current_kept_fraction_store, default_kept_fraction_store
 from comera_compile import devices
 
 N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
@@ -22,9 +23,13 @@ SMALL_TILES = dict(fwd_block_m=16, fwd_block_n=32, fwd_block_k=16, bwd_block_m=1
 
 @pytest.fixture(autouse=True)
 def _fresh_observations():
+    """The tests run on the default store (today's behaviour of a caller that chose none), emptied
+    before and after; no test leaves a store of its own current."""
+    assert current_kept_fraction_store() is default_kept_fraction_store()
     reset_kept_fractions()
     yield
     reset_kept_fractions()
+    assert current_kept_fraction_store() is default_kept_fraction_store()
 
 
 @pytest.fixture

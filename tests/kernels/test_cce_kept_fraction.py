@@ -21,12 +21,17 @@ from comera_compile.kernels.linear_cross_entropy import (
 )
 from comera_compile.kernels.linear_cross_entropy_plan import (
     KEPT_EMA,
+    KeptFractionStore,
     ShapeClass,
+    current_kept_fraction_store,
     default_filter_eps,
+    default_kept_fraction_store,
     estimate_seconds,
+    forward_bounds_pay,
     observe_kept_fraction,
     observed_kept_fraction,
     runtime_strategy,
+    use_kept_fraction_store,
 )
 
 from cce_small import D, N, SCALED, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
@@ -146,6 +151,88 @@ def test_the_store_is_a_thread_safe_running_average():
     assert seen.observations == 800 and seen.fraction == pytest.approx(0.25)
 
 
+def test_one_store_is_thread_safe_and_its_own():
+    """A caller's store is a thread-safe running average of its own: threads feeding it inside its
+    block (the setting is process-wide) and its methods directly, none of it in the default store."""
+    store = KeptFractionStore()
+    key = (V, D, torch.float32, EPS32)
+
+    def feed():
+        for _ in range(100):
+            observe_kept_fraction(*key, 3, 12)  # the current store: the block's
+            store.observe(*key, 3, 12)
+
+    with use_kept_fraction_store(store) as current:
+        assert current is store and current_kept_fraction_store() is store
+        threads = [threading.Thread(target=feed) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert kept_fractions() == store.snapshot()
+    seen = store.snapshot()[ShapeClass(*key)]
+    assert seen.observations == 800 and seen.fraction == pytest.approx(0.25)
+    assert store.estimate(V, D, torch.float32) == seen.fraction
+    assert current_kept_fraction_store() is default_kept_fraction_store()
+    assert kept_fractions() == {} and observed_kept_fraction(V, D, torch.float32) is None
+    store.reset()
+    assert store.snapshot() == {} and store.estimate(V, D, torch.float32) is None
+
+
+def test_two_stores_do_not_see_each_others_observations():
+    """The decisions of a call (runtime_strategy, forward_bounds_pay, choose_strategy) and the
+    counters behind them come from the current store only; blocks nest and restore the outer store
+    (also on an exception); the default store is the one outside every block."""
+    args = (N, D, V, torch.float32)
+    kw = dict(filter_eps=EPS32, rates=SCALED)
+    key = (V, D, torch.float32, EPS32)
+    flat, peaked = KeptFractionStore(), KeptFractionStore()
+    with cce_tuning(probe_every=3, bounds_min_skip=0.3):
+        with use_kept_fraction_store(flat):
+            observe_kept_fraction(*key, 64, 64, skipped_tiles=0)
+            with use_kept_fraction_store(peaked):
+                observe_kept_fraction(*key, 8, 64, skipped_tiles=50)
+                assert runtime_strategy("static", *args, **kw) == "sparse"
+                assert forward_bounds_pay(*key)
+                assert choose_strategy(N, D, V, torch.float32, rates=SCALED) == "sparse"
+            assert current_kept_fraction_store() is flat
+            # 2 calls counted in the flat store: a 3rd is a probe; the peaked store's count is its own
+            assert [runtime_strategy("static", *args, **kw) for _ in range(2)] == ["static"] * 2
+            assert [forward_bounds_pay(*key) for _ in range(2)] == [False, False]
+            assert choose_strategy(N, D, V, torch.float32, rates=SCALED) == "chunked"
+            with pytest.raises(RuntimeError), use_kept_fraction_store(peaked):
+                raise RuntimeError("the block's store is removed on the way out")
+            assert current_kept_fraction_store() is flat
+            assert runtime_strategy("static", *args, **kw) == "sparse"  # the probe
+            assert forward_bounds_pay(*key)
+        with use_kept_fraction_store(peaked):
+            assert [runtime_strategy("static", *args, **kw) for _ in range(2)] == ["sparse"] * 2
+    assert flat.snapshot()[ShapeClass(*key)].fraction == 1.0
+    assert peaked.snapshot()[ShapeClass(*key)].fraction == 0.125
+    assert kept_fractions() == {} and observed_kept_fraction(V, D, torch.float32) is None
+    assert runtime_strategy("static", *args, **kw) == "sparse"  # the default store: nothing seen, a probe
+    with pytest.raises(TypeError):
+        with use_kept_fraction_store({}):
+            pass
+
+
+def test_the_default_store_is_the_one_of_callers_that_chose_none():
+    """Outside any block the module functions read and write the default store, as before the stores
+    existed; a block's observations never reach it, and it is current again after the block."""
+    default = default_kept_fraction_store()
+    key = (V, D, torch.float32, EPS32)
+    observe_kept_fraction(*key, 16, 64)
+    assert default.snapshot() == kept_fractions() and default.estimate(V, D, torch.float32) == 0.25
+    with use_kept_fraction_store() as own:
+        assert own is not default and kept_fractions() == {}
+        observe_kept_fraction(*key, 64, 64)
+        assert observed_kept_fraction(V, D, torch.float32) == 1.0
+    assert observed_kept_fraction(V, D, torch.float32) == 0.25
+    assert default.snapshot()[ShapeClass(*key)].observations == 1
+    reset_kept_fractions()
+    assert default.snapshot() == {} and own.estimate(V, D, torch.float32) == 1.0
+
+
 def test_runtime_strategy_probes_then_follows_the_observation():
     """With no observation the run-time choice probes the sparse path; then it takes the cheaper
     path at the observed fraction, and probes again after probe_every calls without one. An
@@ -211,6 +298,53 @@ def test_a_compiled_graph_follows_the_observations(scaled_rates):
     (op,) = [n for n in compiles[0].graph.nodes if "linear_cross_entropy" in str(n.target)]
     planned = lce.LCEOptions.from_op_args(op.args[4:])
     assert planned.strategy == "chunked" and planned.adaptive
+
+
+def test_a_model_under_its_own_store_does_not_move_another_models_path(scaled_rates):
+    """Model A trains into peaked logits under store A, model B stays flat under store B: each call
+    takes the path of its own store's observations (with one shared store, B's flat steps would
+    pull A's estimate to ~0.56 and A's next step would take chunked); the default store sees none."""
+    a, b = KeptFractionStore(), KeptFractionStore()
+    peaked, flat = _peaked(), _flat()
+    with use_kept_fraction_store(a):
+        assert [_step(_auto, *peaked), _step(_auto, *peaked)] == [SPARSE_IN_FORWARD, SPARSE_IN_FORWARD]
+    with use_kept_fraction_store(b):
+        # the first call of B probes (nothing observed in B), then takes chunked (B is flat)
+        assert [_step(_auto, *flat), _step(_auto, *flat)] == [SPARSE_IN_FORWARD, CHUNKED]
+    with use_kept_fraction_store(a):
+        assert _step(_auto, *peaked) == SPARSE_IN_FORWARD
+    key = ShapeClass(V, D, torch.float32, EPS32)
+    assert a.snapshot()[key].observations == 3 and a.snapshot()[key].fraction < 0.2
+    assert b.snapshot()[key].observations == 1 and b.snapshot()[key].fraction == 1.0
+    assert kept_fractions() == {}
+
+
+def test_a_backward_after_the_block_observes_into_the_forwards_store(scaled_rates):
+    """Autograd may run the backward after the block of its forward exited, or inside another
+    store's block: its sparse rounds (and the run-time choice before them) use the forward's store."""
+    peaked = _peaked()
+    key = ShapeClass(V, D, torch.float32, EPS32)
+
+    def forward(strategy, **kw):
+        x, w = (v.clone().requires_grad_() for v in peaked[:2])
+        return linear_cross_entropy(x, w, peaked[2], impl="triton", strategy=strategy, **kw), (x, w)
+
+    a, b = KeptFractionStore(), KeptFractionStore()
+    with use_kept_fraction_store(a):
+        loss, leaves = forward("sparse")  # a pinned sparse path: its rounds run in the backward
+    with record_cce_stats() as stats:
+        grads = torch.autograd.grad(loss, leaves)
+    assert [(s.phase, s.path) for s in stats] == [("backward", "sparse")]
+    assert a.snapshot()[key].observations == 1 and kept_fractions() == {}
+    a.observe(*key, 8, 64)  # peaked: "auto" (bounds off) plans sparse rounds in the backward
+    with use_kept_fraction_store(a), cce_tuning(forward_bounds=False):
+        loss, leaves = forward("auto")
+    with use_kept_fraction_store(b), record_cce_stats() as stats:
+        grads = torch.autograd.grad(loss, leaves)
+    assert [(s.phase, s.path) for s in stats] == [("backward", "sparse")]
+    assert a.snapshot()[key].observations == 3 and b.snapshot() == {} and kept_fractions() == {}
+    for got, exp in zip(grads, _ref64(*peaked)[1:]):
+        assert _rel(got, exp) < TOL
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(reduction="sum", label_smoothing=0.1),
