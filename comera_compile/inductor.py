@@ -21,10 +21,16 @@ the AOTAutograd and FX graph cache keys. Ours hashes the package's sources (with
 the validated options and the enabled passes in running order (a registered pass of your own by its
 name, its qualified name and its code object), so a change to any of them misses the caches.
 
+torch 2.11 calls it earlier: ``compile_fx`` runs the pre-grad passes itself, before it calls
+AOTAutograd, so on every compile (a cache hit included, where the pass runs and records its rewrites),
+and the AOTAutograd and FX graph caches key the graph the passes rewrote; 2.11 keys no
+``pre_grad_custom_pass`` (no ``uuid()`` is asked). The options reach that graph (the fused ops take
+them as arguments), so different options still never share an entry there.
+
 What differs from ``backend="comera"`` is listed in docs/guide.md ("Plain torch.compile (Inductor)
 and frameworks"): settings that a pass asks for (CUDA graphs, Inductor config) cannot change a
 compile that is already under way, and a graph served from a warm cache runs no pass and records
-nothing.
+nothing (torch 2.13; on torch 2.11 the pass runs and records before the cache lookup, see above).
 """
 
 from __future__ import annotations

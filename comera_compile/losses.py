@@ -21,9 +21,11 @@ It follows torchtitan's ``ChunkedLossWrapper`` (torchtitan 0.3.0) call for call:
   ``loss.backward()``, which runs the decoder's backward. Under ``torch.no_grad()`` or for
   hidden states that do not require grad (validation) only the forward runs.
 * **FSDP2** (``fully_shard``): the head is called as a module, so FSDP's hooks run as for
-  ``lm_head(h)``; reshard-after-forward/backward are turned off around the call and the head is
-  unsharded once before it and resharded after it, as torchtitan's wrapper does (one all-gather of
-  the head per call at most, none when the head's FSDP group is still unsharded from the forward).
+  ``lm_head(h)``; reshard-after-forward/backward are turned off around the call (and restored after
+  it) and the head is unsharded once before it and resharded after it, as torchtitan's wrapper does
+  (one all-gather of the head per call at most, none when the head's FSDP group is still unsharded
+  from the forward; such a group is left unsharded for the decoder's backward, see
+  ``_unsharded_once``).
 
 The head is any module with a ``weight`` of shape ``[V, D]`` and an optional ``bias`` (``nn.Linear``,
 torchtitan's ``Linear``). A head whose weight is a ``DTensor`` once unsharded (tensor parallel,
@@ -132,19 +134,61 @@ class FusedLinearCrossEntropyLoss:
 
 @contextlib.contextmanager
 def _unsharded_once(head: nn.Module, fsdp: bool):
-    """FSDP2: keep the head unsharded for the whole call (one all-gather at most), then reshard."""
+    """FSDP2: keep the head unsharded for the whole call (one all-gather at most), then put the head's
+    FSDP unit back as it was: its reshard-after-forward/backward settings restored, and resharded
+    unless it was already unsharded when the call began.
+
+    An FSDP unit unsharded on entry (one that holds more than the head, e.g. torchtitan's
+    ``fully_shard([norm, lm_head], reshard_after_forward=False)``) is left unsharded: the decoder's
+    backward still reads the other modules' unsharded weights, and torch 2.11's FSDP2 registers no
+    pre-backward unshard for them (its grouped forward hooks run the unit's post-forward only once
+    every module of the unit has run, and here the head runs apart from the model's forward;
+    torch 2.13's completes such a unit at the root's post-forward). Resharding it would free the
+    weight the norm's backward reads ("its data is not allocated yet"). FSDP reshards it at the end
+    of that backward, as it would have without the fused loss.
+    """
     if not fsdp:
         yield
         return
-    head.set_reshard_after_forward(False)
-    head.set_reshard_after_backward(False)
+    restore = _fsdp_settings(head)
+    head.set_reshard_after_forward(False, recurse=False)
+    head.set_reshard_after_backward(False, recurse=False)
     head.unshard()
     try:
         yield
     finally:
-        head.set_reshard_after_forward(True)
-        head.set_reshard_after_backward(True)
-        head.reshard()
+        if restore is None:  # an FSDP2 whose internals are not the ones known here: the defaults
+            head.set_reshard_after_forward(True, recurse=False)
+            head.set_reshard_after_backward(True, recurse=False)
+            head.reshard()
+        elif not restore():
+            head.reshard()
+
+
+def _fsdp_settings(head: nn.Module):
+    """A function restoring the head's FSDP unit's reshard settings and returning whether the unit
+    was unsharded now; ``None`` where FSDP2's (private) state is not the one of torch 2.11-2.13."""
+    state = head._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a list (one group per mesh)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)  # torch 2.11
+        groups = [] if group is None else [group]
+    groups = list(groups)
+    try:
+        auto = state._auto_reshard_after_forward
+        saved = [(g.post_forward_mesh_info, g.reshard_after_backward) for g in groups]
+        unsharded = bool(groups) and all(g.is_unsharded for g in groups)
+    except AttributeError:
+        return None
+
+    def restore() -> bool:
+        state._auto_reshard_after_forward = auto
+        for g, (mesh_info, after_backward) in zip(groups, saved):
+            g.post_forward_mesh_info = mesh_info
+            g.reshard_after_backward = after_backward
+        return unsharded
+
+    return restore
 
 
 def _fused_forward(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, ignore_index: int,
