@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks still open after the 2026-12-04 changes, in one background job on one H200 (about 10 minutes):
-#   1. the GPU tests (tests/test_gpu.py, tests/test_gpu_cce.py): the btt blocks op now saves only what the
+#   1. the GPU tests (tests/test_gpu.py, tests/test_gpu_cce.py), and the Inductor pre-grad pass, the loss
+#      object and the device profiles on that machine's torch: the btt blocks op now saves only what the
 #      asked-for gradients read, its fakes return contiguous results, and a failing swap kernel raises;
 #   2. a whole training step of the width models with btt against dense Inductor + CUDA graphs
 #      (bench_e2e.py --model lm-d2048 / lm-d4096): the same GPU time and kernels per step as recorded
@@ -19,7 +20,8 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 stamp() { echo "$(date +%T) $*" >> "$out/progress.txt"; }
 stamp start
-timeout 300 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_cce.py > "$out/gpu_tests.log" 2>&1
+timeout 420 python3 -m pytest -q tests/test_gpu.py tests/test_gpu_cce.py tests/test_inductor_pass.py tests/test_losses.py \
+  tests/test_devices.py > "$out/gpu_tests.log" 2>&1
 stamp "gpu tests rc $?"
 for model in lm-d2048 lm-d4096; do
   timeout 240 python3 benchmarks/bench_e2e.py --model $model --steps 20 --variants dense-inductor-cg,btt \
