@@ -177,7 +177,7 @@ def peer_methods(which, device):
 
 def our_methods(which, D, budgets, impl, device):
     """name -> (fn, replay as a CUDA graph)."""
-    from comera_compile.kernels.linear_cross_entropy import cce_tuning
+    from comera_compile.cce import cce_tuning
     from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy as ours
 
     def make(**kw):
@@ -252,7 +252,7 @@ def errors(out, ref):
 def run_one(name, fn, x, w, t, ref, floor_ms, rep_ms, device, graph=False, warmup=0):
     """One method on one input: errors, paths, memory, time. ``warmup``: steps run before the
     recorded one (for ``auto``: the kept fraction is observed first)."""
-    from comera_compile.kernels.linear_cross_entropy import kept_fractions, record_cce_stats
+    from comera_compile.cce import kept_fractions, record_cce_stats
 
     xr = x.detach().requires_grad_()
     wr = w.detach().requires_grad_()
@@ -385,7 +385,7 @@ def main(argv=None):
                          "--smoke on the CPU; auto on the CPU runs its torch reference, what CPU users get)")
     args = ap.parse_args(argv)
 
-    from comera_compile.kernels.linear_cross_entropy import CCETuning, cce_tuning, reset_kept_fractions
+    from comera_compile.cce import CCETuning, cce_tuning, reset_kept_fractions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:

@@ -91,7 +91,7 @@ ENTRY_POINTS = (
     ("comera_compile/matching.py", "first_write", "    write analysis (first_write)"),
     ("comera_compile/fx_utils.py", "fake_node", "    fake-tensor propagation"),
     ("comera_compile/fx_utils.py", "checked_replace", "    checked replacement"),
-    ("kernels/linear_cross_entropy.py", "decide_fused_loss", "    fused-loss cost rule"),
+    ("comera_compile/cce/planner.py", "decide_fused_loss", "    fused-loss cost rule"),
     ("comera_compile/backend.py", "_readable", "  report building (graph text)"),
     ("comera_compile/cache.py", "source_fingerprint", "  cache key (source hash)"),
     ("kernels/tt_runtime.py", "group_outputs", "group_outputs (fake propagation + AOT's trace)"),

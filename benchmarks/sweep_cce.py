@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default="")
     ap.add_argument("--rep-ms", type=int, default=150)
     args = ap.parse_args(argv)
-    from comera_compile.kernels.linear_cross_entropy import cce_tuning, linear_cross_entropy
+    from comera_compile.cce import cce_tuning
+    from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy
 
     N, D, V = bench_cce.SHAPES[args.shape]
     x, w, t = bench_cce.make_inputs(args.case, N, D, V, "cuda", torch.bfloat16, args.shape in bench_cce.TRANSPOSED)

@@ -3,7 +3,7 @@ by what it measured.
 
 Two planners decide before anything runs, from estimated seconds: the tensor-train planner
 (:mod:`comera_compile.tt.planner`: a layer's contraction order and strategy) and the fused loss's
-(``comera_compile.kernels.linear_cross_entropy_plan``: whether fusing an LM head pays, and its path).
+(``comera_compile.cce.planner``: whether fusing an LM head pays, and its path).
 They price different work on the same GPU (a tensor-train layer's skinny GEMMs; an LM head's large ones
 and the loss's Triton tiles), so a device has several rates for what looks like one quantity: the H200
 runs cuBLAS GEMMs at 600 TFLOP/s at tensor-train shapes (:attr:`DeviceProfile.tt_gemm_flops`) and at
@@ -74,7 +74,7 @@ class DeviceProfile:
     #: Per kernel (a GEMM with its setup) replayed inside a CUDA graph.
     tt_graph_launch_s: Optional[float] = None
 
-    # --- the fused loss's Triton paths (kind "gpu"; linear_cross_entropy_plan) ----------------------------
+    # --- the fused loss's Triton paths (kind "gpu"; comera_compile.cce.planner) ----------------------------
     #: Library GEMMs at LM-head shapes, sustained (below the peak: the figure that reproduces measured
     #: torch.compile times): the unfused loss's GEMMs and the chunked/static paths' dX, dW products.
     lm_head_gemm_flops: Optional[float] = None

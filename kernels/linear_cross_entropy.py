@@ -14,13 +14,13 @@ that of eager fp32 (each recomputed logit rounds by about ``|z| * 2**-24``; ever
 
 This module holds the op (``torch.library`` definition, fake, autograd) and the public
 ``linear_cross_entropy``. How it runs — the paths, the cost model that picks one per shape, the
-memory budget, tuning and statistics — is in ``linear_cross_entropy_plan.py``; the drivers of the
+memory budget, tuning and statistics — is in :mod:`comera_compile.cce` (pure: no op); the drivers of the
 paths in ``linear_cross_entropy_paths.py``; the Triton kernels in ``linear_cross_entropy_kernels.py``.
 
 ``strategy="auto"``: the public function (or the cce pass) plans a path by the cost model, and the
 op, told by its ``adaptive`` option that the plan was automatic, re-decides at run time between that
 path and the sparse one from the kept fraction observed on previous calls
-(``linear_cross_entropy_plan.runtime_strategy``): a compiled graph holds the plan as a constant,
+(``comera_compile.cce.planner.runtime_strategy``): a compiled graph holds the plan as a constant,
 but the decision is made in the op's implementation, outside the traced graph.
 
 CUDA graphs: the op reads no device value on the host except in the sparse path, which is never
@@ -46,34 +46,38 @@ from .linear_cross_entropy_paths import (
     scale_,
     triton_forward,
 )
-from .linear_cross_entropy_plan import (
+from comera_compile.cce.observed import (
+    KeptFractionStore,
+    current_kept_fraction_store,
+    forward_bounds_pay,
+    kept_fractions,
+    pinned_kept_fraction_store,
+    reset_kept_fractions,
+    use_kept_fraction_store,
+)
+from comera_compile.cce.planner import (
     BACKWARDS,
     FORWARD_DX_MAX_D,
     REDUCTIONS,
     STRATEGIES,
-    CCEStats,
-    CCETuning,
     FusedLossDecision,
-    KeptFractionStore,
-    pinned_kept_fraction_store,
     adaptive_plan,
-    cce_tuning,
     choose_strategy,
-    current_kept_fraction_store,
-    current_tuning,
     decide_fused_loss,
-    default_filter_eps,
     default_memory_budget,
     describe_logits,
-    forward_bounds_pay,
     fused_loss_pays,
-    kept_fractions,
     logits_bytes,
     rates_for,
-    record_cce_stats,
-    reset_kept_fractions,
     runtime_strategy,
-    use_kept_fraction_store,
+)
+from comera_compile.cce.tuning import (
+    CCEStats,
+    CCETuning,
+    cce_tuning,
+    current_tuning,
+    default_filter_eps,
+    record_cce_stats,
 )
 
 __all__ = [
@@ -550,7 +554,7 @@ def linear_cross_entropy(
     * ``strategy``: "auto" (the fastest path by the cost model of what runs: the Triton paths at the
       H200's rates, or the torch reference at the CPU's: ``comera_compile.devices.H200`` / ``CPU``, by
       ``rates_for``), "chunked", "sparse", "static" or
-      "fused" (see ``linear_cross_entropy_plan``); a path that does not apply falls back to one
+      "fused" (see :mod:`comera_compile.cce.planner`); a path that does not apply falls back to one
       that does (e.g. "sparse" under CUDA-graph capture runs "static").
       The sparse path's cost depends on how peaked the logits are: "auto" prices it at the fraction
       of gradient tiles that the sparse path kept on previous calls of the same shape class

@@ -1,4 +1,4 @@
-"""The drivers of ``comera::linear_cross_entropy``'s paths (see ``linear_cross_entropy_plan.py``):
+"""The drivers of ``comera::linear_cross_entropy``'s paths (see :mod:`comera_compile.cce.planner`):
 Triton launches, library GEMMs, and the chunked torch reference.
 
 Nothing here reads a device value on the host except the sparse path's one sync per round, so
@@ -14,15 +14,9 @@ from typing import Optional
 import torch
 
 from .dispatch import HAS_TRITON, dot_precision
-from .linear_cross_entropy_plan import (
-    FORWARD_DX_MAX_D,
-    CCEStats,
-    CCETuning,
-    chunk_plan,
-    current_tuning,
-    observe_kept_fraction,
-    record,
-)
+from comera_compile.cce.observed import observe_kept_fraction
+from comera_compile.cce.planner import FORWARD_DX_MAX_D, chunk_plan
+from comera_compile.cce.tuning import CCEStats, CCETuning, current_tuning, record
 
 if HAS_TRITON:
     from .linear_cross_entropy_kernels import (

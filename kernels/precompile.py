@@ -18,25 +18,30 @@ The process holds its own CUDA context and the job's tensors (at most ``MAX_JOB_
 tensors and gradients take more is left to its first call) for a few seconds; it is started only where
 the device has four times that free and 2 GiB more.
 
+Which jobs were started, and which are still running, is held by a :class:`Scheduler`; :func:`schedule`
+hands the job to the current one: the process's default, or the one of the innermost
+:func:`use_scheduler` block (a scheduler the caller owns, e.g. a fresh one per test).
+
 ``python -m comera_compile.kernels.precompile`` is the process: it reads one job (JSON) from stdin.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import json
 import os
 import signal
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 MAX_JOB_BYTES = 1 << 30
 JOB_TIMEOUT_S = 300
-_scheduled: set[str] = set()
-_running: list[subprocess.Popen] = []
 
 
 def _tensor_spec(t: Optional[torch.Tensor], requires_grad: bool) -> Optional[dict]:
@@ -100,60 +105,107 @@ def _room_for(need: int, device: torch.device) -> bool:
     return free >= 4 * need + (2 << 30)
 
 
-def schedule(job: Optional[dict]) -> bool:
-    """Start the process for ``job`` unless this process started one for the same job already;
-    returns whether it started one."""
-    if job is None:
-        return False
-    if not os.path.basename(sys.executable or "").startswith("python"):
-        return False  # an embedding host (uwsgi, an app binary): no interpreter to start
-    key = json.dumps(job, sort_keys=True)
-    if key in _scheduled:
-        return False
-    _scheduled.add(key)
-    _reap()
-    env = dict(os.environ)
-    if env.get("TRITON_CACHE_DIR") is None:
-        # the job's process writes where this one's kernels will look: the folder Inductor sets for this
-        # process when it loads its first kernel (this process's environment is left as it is)
-        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+class Scheduler:
+    """The jobs started and the processes still running: ``scheduled`` (each job's key; a job already
+    started is not started again) and ``running`` (the ``subprocess.Popen`` of each job not yet seen
+    to finish). :func:`schedule` uses the process's default scheduler; :func:`use_scheduler` swaps in
+    another for a block. A process still running when this process exits is stopped, whichever
+    scheduler started it."""
 
-        env["TRITON_CACHE_DIR"] = triton_cache_dir(job["device"])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "comera_compile.kernels.precompile"], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        proc.stdin.write(key.encode())
-        proc.stdin.close()
-    except OSError as err:  # no process: the kernels compile at their first call, as without this
-        from comera_compile._logging import logger
+    def __init__(self) -> None:
+        self.scheduled: set[str] = set()
+        self.running: list[subprocess.Popen] = []
+        _SCHEDULERS.add(self)
 
-        logger.debug("comera: kernel precompile not started: %s", err)
-        return False
-    _running.append(proc)
-    return True
+    def schedule(self, job: Optional[dict]) -> bool:
+        """Start the process for ``job`` unless this scheduler started one for the same job already;
+        returns whether it started one."""
+        if job is None:
+            return False
+        if not os.path.basename(sys.executable or "").startswith("python"):
+            return False  # an embedding host (uwsgi, an app binary): no interpreter to start
+        key = json.dumps(job, sort_keys=True)
+        if key in self.scheduled:
+            return False
+        self.scheduled.add(key)
+        self.reap()
+        env = dict(os.environ)
+        if env.get("TRITON_CACHE_DIR") is None:
+            # the job's process writes where this one's kernels will look: the folder Inductor sets for this
+            # process when it loads its first kernel (this process's environment is left as it is)
+            from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
-
-def _reap() -> None:
-    """Forget finished jobs (one that failed is logged at DEBUG: its kernels compile at their first call)."""
-    codes = [(proc, proc.poll()) for proc in _running]
-    for _, code in codes:
-        if code not in (None, 0):
+            env["TRITON_CACHE_DIR"] = triton_cache_dir(job["device"])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "comera_compile.kernels.precompile"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+            proc.stdin.write(key.encode())
+            proc.stdin.close()
+        except OSError as err:  # no process: the kernels compile at their first call, as without this
             from comera_compile._logging import logger
 
-            logger.debug("comera: a kernel precompile job exited with status %s", code)
-    _running[:] = [proc for proc, code in codes if code is None]
+            logger.debug("comera: kernel precompile not started: %s", err)
+            return False
+        self.running.append(proc)
+        return True
+
+    def reap(self) -> None:
+        """Forget finished jobs (one that failed is logged at DEBUG: its kernels compile at their first
+        call)."""
+        codes = [(proc, proc.poll()) for proc in self.running]
+        for _, code in codes:
+            if code not in (None, 0):
+                from comera_compile._logging import logger
+
+                logger.debug("comera: a kernel precompile job exited with status %s", code)
+        self.running[:] = [proc for proc, code in codes if code is None]
+
+    def stop(self) -> None:
+        """Stop every job still compiling (a kernel cache entry is written whole or not at all)."""
+        for proc in self.running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+_SCHEDULER: contextvars.ContextVar[Scheduler] = contextvars.ContextVar("comera_precompile_scheduler",
+                                                                       default=Scheduler())
+
+
+def current_scheduler() -> Scheduler:
+    """The :class:`Scheduler` that :func:`schedule` uses now: the default, or the one of the innermost
+    :func:`use_scheduler` block."""
+    return _SCHEDULER.get()
+
+
+@contextlib.contextmanager
+def use_scheduler(scheduler: Optional[Scheduler] = None) -> Iterator[Scheduler]:
+    """Within the block, :func:`schedule` uses ``scheduler`` (a new :class:`Scheduler` when None), which
+    it yields; on exit the previous one is back. A context variable: it holds for this thread (and
+    context) only. Its processes are left running on exit (call its ``stop()`` to end them)."""
+    scheduler = Scheduler() if scheduler is None else scheduler
+    token = _SCHEDULER.set(scheduler)
+    try:
+        yield scheduler
+    finally:
+        _SCHEDULER.reset(token)
+
+
+def schedule(job: Optional[dict]) -> bool:
+    """Start the process for ``job`` unless the current scheduler (:func:`current_scheduler`) started one
+    for the same job already; returns whether it started one."""
+    return current_scheduler().schedule(job)
 
 
 @atexit.register
 def _stop() -> None:
     """A job still compiling when this process ends is stopped (a kernel cache entry is written whole
     or not at all)."""
-    for proc in _running:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    for scheduler in list(_SCHEDULERS):
+        scheduler.stop()
 
 
 def _make(spec: Optional[dict], device: torch.device, high: int, gen: torch.Generator) -> Optional[torch.Tensor]:

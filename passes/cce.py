@@ -59,17 +59,17 @@ from comera_compile.fx_utils import (
     module_name,
     size_hint,
 )
-from comera_compile.kernels import precompile
-from comera_compile.kernels.dispatch import use_triton
-from comera_compile.kernels.linear_cross_entropy import (  # defines the op
+from comera_compile.cce.planner import (
     FusedLossDecision,
-    LCEOptions,
     adaptive_plan,
     decide_fused_loss,
     describe_logits,
     logits_bytes,
     rates_for,
 )
+from comera_compile.kernels import precompile
+from comera_compile.kernels.dispatch import use_triton
+from comera_compile.kernels.linear_cross_entropy import LCEOptions  # defines the op
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext
@@ -634,7 +634,7 @@ def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDeci
     The path: the user's ``cce_strategy`` when pinned; else, in training, the cost model's;
     inference lets the op decide ("auto"). An unpinned path is a plan: the op re-decides between it and
     the sparse path when it runs, from the kept fraction observed on previous steps (``_build`` sets the
-    op's ``adaptive`` option; ``linear_cross_entropy_plan.runtime_strategy``)."""
+    op's ``adaptive`` option; ``comera_compile.cce.planner.runtime_strategy``)."""
     opts = ctx.options
     vocab = head.proj.vocab()
     n_tokens, dtype = math.prod(size_hint(s) for s in fake(head.target).shape), _projection_dtype(head)

@@ -22,7 +22,7 @@ import torch
 
 from comera_compile import devices
 from comera_compile.devices import CPU, H200, DeviceProfile, profile_for
-from comera_compile.kernels import linear_cross_entropy_plan as plan
+from comera_compile import cce as plan
 from comera_compile.tt import planner
 from comera_compile.tt.format import TTSpec
 

@@ -114,6 +114,36 @@ def test_rank_adaptation_sits_on_tensorize_and_tt():
                   and not any(t == a or t.startswith(a + ".") for a in allowed)]
         assert not upward, (name, upward)
 
+def test_the_cce_floor_holds_no_op():
+    """The fused loss's decisions (comera_compile.cce: cost model, tuning, observed kept fractions) sit on
+    the devices floor: they import (at import time or inside functions) only devices and themselves,
+    run no op and no Triton; the kernels import them, never the other way."""
+    modules = _modules()
+    allowed = ("comera_compile.cce", "comera_compile.devices")
+    names = [m for m in modules if m == "comera_compile.cce" or m.startswith("comera_compile.cce.")]
+    assert {"comera_compile.cce.planner", "comera_compile.cce.tuning", "comera_compile.cce.observed"} <= set(names)
+    for name in names:
+        deps, _ = _imports(modules[name], modules, inside_functions=True)
+        upward = [d for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed)]
+        assert not upward, (name, upward)
+        tree = ast.parse(modules[name].read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        used = {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not [m for m in imported | used
+                    if m.startswith(("torch.nn", "torch.library", "torch.ops", "torch._", "nn.", "triton"))], name
+
+
+def test_nothing_in_the_package_imports_the_deprecated_cce_plan_path():
+    """``kernels/linear_cross_entropy_plan.py`` is a shim for one release: no module of the package imports
+    it (at import time or inside functions), so its DeprecationWarning reaches only outside callers."""
+    modules = _modules()
+    shim = "comera_compile.kernels.linear_cross_entropy_plan"
+    users = [name for name, path in modules.items() if name != shim
+             and shim in _imports(path, modules, inside_functions=True)[0]]
+    assert not users, users
+
+
 def test_old_paths_still_import():
     """The moved modules' old paths re-export the same objects for one release, and say so."""
     import sys
@@ -141,3 +171,29 @@ def test_old_paths_still_import():
                  "set_parameter_data_", "tensorize_", "tt_parametrization"):
         assert hasattr(tensorize, name), name
     assert importlib.import_module("comera_compile.backend").comera_backend
+
+
+def test_the_cce_plan_path_re_exports_the_cce_package():
+    """The fused loss's decisions moved from kernels/linear_cross_entropy_plan.py to comera_compile.cce
+    (issue 39): the old path re-exports the same objects (the state lives once, in the new modules) for
+    one release, and says so on import."""
+    import sys
+
+    from comera_compile import cce
+    from comera_compile.cce import observed, planner, tuning
+
+    sys.modules.pop("comera_compile.kernels.linear_cross_entropy_plan", None)
+    with pytest.warns(DeprecationWarning, match="linear_cross_entropy_plan is deprecated"):
+        old = importlib.import_module("comera_compile.kernels.linear_cross_entropy_plan")
+    for name in cce.__all__:
+        assert getattr(old, name) is getattr(cce, name), name
+    assert old.estimate_seconds is planner.estimate_seconds and old.cce_tuning is tuning.cce_tuning
+    assert old.default_kept_fraction_store() is observed.default_kept_fraction_store()
+    assert old.FORWARD_DX_PASS is planner.FORWARD_DX_PASS
+    with pytest.warns(DeprecationWarning, match="H200 is deprecated"):
+        assert old.H200 is planner.rates_for(True)
+    with old.cce_tuning(probe_every=7):
+        assert tuning.current_tuning().probe_every == 7
+    from comera_compile.kernels import linear_cross_entropy as lce
+
+    assert lce.cce_tuning is cce.cce_tuning and lce.decide_fused_loss is cce.decide_fused_loss

@@ -12,7 +12,7 @@ def test_defaults():
 
 def test_fused_loss_policy_defaults_are_the_cost_rules():
     """The options' policy choices and memory threshold are the ones the cost rule defines."""
-    from comera_compile.kernels import linear_cross_entropy_plan as plan
+    from comera_compile.cce import planner as plan
     from comera_compile.options import CCE_POLICIES
 
     opts = CompileOptions()

@@ -24,7 +24,8 @@ def test_wheel_layout(tmp_path):
     assert {n.split("/")[0] for n in names} == {"comera_compile", "comera_compile-0.1.0.dist-info"}
     for module in ("passes/cce.py", "passes/tensor_network.py", "kernels/linear_cross_entropy.py",
                    "kernels/tt_linear.py", "kernels/tt_embedding.py", "kernels/tt_materialize.py",
-                   "rank_adaptation/__init__.py", "rank_adaptation/ranker.py"):
+                   "rank_adaptation/__init__.py", "rank_adaptation/ranker.py", "cce/__init__.py", "cce/planner.py",
+                   "cce/tuning.py", "cce/observed.py", "kernels/linear_cross_entropy_plan.py"):
         assert f"comera_compile/{module}" in names
     assert "comera_compile/py.typed" in names  # PEP 561: type checkers read the package's annotations
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]

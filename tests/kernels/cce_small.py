@@ -7,7 +7,7 @@ import pytest
 
 import comera_compile.kernels.linear_cross_entropy as lce
 from comera_compile.kernels.linear_cross_entropy import cce_tuning, reset_kept_fractions
-from comera_compile.kernels.linear_cross_entropy_plan import current_kept_fraction_store, default_kept_fraction_store
+from comera_compile.cce import current_kept_fraction_store, default_kept_fraction_store
 from comera_compile import devices
 
 N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"

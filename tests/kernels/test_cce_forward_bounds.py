@@ -16,7 +16,7 @@ from comera_compile.kernels.linear_cross_entropy import (
     reset_kept_fractions,
 )
 from comera_compile.kernels.linear_cross_entropy_paths import LogitBounds
-from comera_compile.kernels.linear_cross_entropy_plan import adaptive_plan, default_filter_eps
+from comera_compile.cce import adaptive_plan, default_filter_eps
 
 from cce_small import D, N, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
 
@@ -160,7 +160,7 @@ def test_an_automatic_sparse_choice_is_planned_as_chunked_where_that_may_run():
 
 
 def test_with_the_bounds_off_an_automatic_sparse_choice_stays_in_the_backward(forward_sparse):
-    from comera_compile.kernels.linear_cross_entropy_plan import observe_kept_fraction
+    from comera_compile.cce import observe_kept_fraction
 
     x, w, t = _peaked()
     with cce_tuning(forward_bounds=False):
@@ -177,7 +177,7 @@ def test_the_bounds_are_computed_while_what_they_rule_out_pays():
     """No observation: computed (a probe). Observed to rule out little: not computed, until
     probe_every calls have passed (a probe again); observed to rule out much: computed. The
     estimate is a running average weighted like the kept fraction's."""
-    from comera_compile.kernels.linear_cross_entropy_plan import (
+    from comera_compile.cce import (
         KEPT_EMA, ShapeClass, forward_bounds_pay, kept_fractions, observe_kept_fraction)
 
     key = (V, D, torch.float32, EPS32)
@@ -201,7 +201,7 @@ def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
     """Rounds in the forward skip the ruled-out tiles' recompute: at a kept fraction where sparse
     rounds lose to chunked, an observed skipped fraction that pays makes them win; one below
     ``bounds_min_skip`` (bounds not computed) does not count."""
-    from comera_compile.kernels.linear_cross_entropy_plan import (
+    from comera_compile.cce import (
         estimate_seconds, observe_kept_fraction, runtime_strategy)
 
     from cce_small import SCALED
@@ -215,7 +215,7 @@ def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
     with cce_tuning(probe_every=100, bounds_min_skip=0.3):
         observe_kept_fraction(V, D, torch.float32, EPS32, 16, 64, skipped_tiles=45)  # 0.25 kept, 0.70 ruled out
         assert runtime_strategy("chunked", *args, **kw) == "sparse"
-        import comera_compile.kernels.linear_cross_entropy_plan as plan
+        import comera_compile.cce.planner as plan
 
         seen = []
         real = plan.estimate_seconds
@@ -233,7 +233,7 @@ def test_the_cost_model_counts_the_tiles_the_bounds_rule_out(monkeypatch):
 def test_rounds_in_the_forward_drop_the_bounds_where_they_rule_out_little(forward_sparse):
     """After an observation that the bounds rule out little, the forward's rounds run without them
     (the same kept tiles and bitwise the same gradients); a probe brings them back."""
-    from comera_compile.kernels.linear_cross_entropy_plan import observe_kept_fraction
+    from comera_compile.cce import observe_kept_fraction
 
     x, w, t = _peaked()
     with cce_tuning(probe_every=2):

@@ -19,7 +19,7 @@ from comera_compile.kernels.linear_cross_entropy import (
     record_cce_stats,
     reset_kept_fractions,
 )
-from comera_compile.kernels.linear_cross_entropy_plan import (
+from comera_compile.cce import (
     KEPT_EMA,
     KeptFractionStore,
     ShapeClass,

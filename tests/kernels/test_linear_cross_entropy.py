@@ -586,7 +586,7 @@ def test_cost_rule():
 # --- the policy: fuse for memory at a small stated slowdown, or for speed; each device's rates -----
 
 def test_logits_bytes_are_what_the_unfused_loss_holds():
-    from comera_compile.kernels.linear_cross_entropy_plan import format_bytes, logits_bytes
+    from comera_compile.cce import format_bytes, logits_bytes
 
     assert logits_bytes(2048, 131072, torch.float32) == 1 << 30  # the issue's head: 1 GiB
     assert logits_bytes(2048, 131072, torch.bfloat16) == 1 << 29  # 16-bit logits are saved as they are
@@ -601,7 +601,7 @@ def test_the_cpu_model_prices_the_torch_reference():
     """Off the GPU the op runs its torch reference: the cost model prices that (CPU rates), whose paths
     are the chunked loop (gradient in the forward) and an exact recompute ("static"); the H200's
     rates price the Triton paths."""
-    from comera_compile.kernels.linear_cross_entropy_plan import CPU, H200, estimate_seconds, rates_for
+    from comera_compile.cce import CPU, H200, estimate_seconds, rates_for
 
     assert rates_for(True) is H200 and rates_for(False) is CPU
     assert set(estimate_seconds(2048, 512, 131072, torch.float32, rates=CPU)) == {"unfused", "chunked", "static"}
@@ -629,7 +629,7 @@ def test_memory_policy_fuses_the_1_gib_cpu_head():
     memory policy's 1.15x: the default fuses it; "speed" does not. It was left unfused at the H200's
     rates, "estimated at 2.93 ms against 2.22 ms": the speed policy on the GPU still says so."""
     from comera_compile.devices import CPU
-    from comera_compile.kernels.linear_cross_entropy_plan import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
+    from comera_compile.cce import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
 
     head = (2048, 512, 131072, torch.float32)
     decision = decide_fused_loss(*head, rates=CPU)
@@ -646,7 +646,7 @@ def test_memory_policy_threshold_and_slowdown_cap():
     """The memory rule applies above the threshold only (strictly), and never beyond 1.15x: the CPU's
     bf16 head (its GEMMs run at the AMX rate unfused, in fp32 in the reference) stays unfused."""
     from comera_compile.devices import CPU
-    from comera_compile.kernels.linear_cross_entropy_plan import decide_fused_loss
+    from comera_compile.cce import decide_fused_loss
 
     head = (2048, 512, 131072, torch.float32)
     assert decide_fused_loss(*head, memory_threshold=(1 << 30) - 1, rates=CPU).pays
@@ -671,7 +671,7 @@ def test_memory_policy_on_the_gpu():
 
 
 def test_unknown_policy_names_the_choices():
-    from comera_compile.kernels.linear_cross_entropy_plan import decide_fused_loss
+    from comera_compile.cce import decide_fused_loss
 
     with pytest.raises(ValueError, match=r"policy='fast'; valid values: \['memory', 'speed'\]"):
         decide_fused_loss(64, 8, 3, torch.float32, policy="fast")

@@ -86,12 +86,12 @@ def test_the_process_runs_a_job_forward_and_backward(monkeypatch, tmp_path):
     from stdin, calls the op and its backward, exits 0; a second identical job is not started again."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     job = _cpu_job(need_dx=True, need_dw=True, strategy="chunked")
-    monkeypatch.setattr(precompile, "_scheduled", set())
-    assert precompile.schedule(job)
-    proc = precompile._running[-1]
-    assert proc.wait(timeout=300) == 0
-    assert not precompile.schedule(job)
-    assert not precompile.schedule(None)
+    with precompile.use_scheduler() as scheduler:
+        assert precompile.schedule(job)
+        proc = scheduler.running[-1]
+        assert proc.wait(timeout=300) == 0
+        assert not precompile.schedule(job)
+        assert not precompile.schedule(None)
 
 
 def test_scheduling_changes_no_environment_variable_of_this_process(monkeypatch):
@@ -100,8 +100,6 @@ def test_scheduling_changes_no_environment_variable_of_this_process(monkeypatch)
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.setattr(precompile, "_scheduled", set())
-    monkeypatch.setattr(precompile, "_running", [])  # the stand-in process is not left for the exit hook
     started = []
 
     class _Proc:
@@ -112,7 +110,8 @@ def test_scheduling_changes_no_environment_variable_of_this_process(monkeypatch)
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(k["env"]) or _Proc())
     before = dict(os.environ)
-    assert precompile.schedule(_cpu_job())
+    with precompile.use_scheduler():  # its own scheduler: the stand-in process is not left in the default's
+        assert precompile.schedule(_cpu_job())
     assert dict(os.environ) == before
     assert started[0]["TRITON_CACHE_DIR"] == triton_cache_dir(0)
 
@@ -120,17 +119,17 @@ def test_scheduling_changes_no_environment_variable_of_this_process(monkeypatch)
 def test_no_process_where_the_interpreter_is_embedded(monkeypatch):
     """Under a host binary that is no Python (uwsgi, an app), nothing is started."""
     monkeypatch.setattr(sys, "executable", "/usr/bin/uwsgi")
-    monkeypatch.setattr(precompile, "_scheduled", set())
     started = []
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
-    assert not precompile.schedule(_cpu_job())
+    with precompile.use_scheduler():
+        assert not precompile.schedule(_cpu_job())
     assert started == []
 
 
 def test_run_job_calls_the_backward():
     """run_job reaches the op's backward (whose kernels are half of what it compiles): the backward
     records its path, and only when the job's inputs take gradients."""
-    from comera_compile.kernels.linear_cross_entropy_plan import record_cce_stats
+    from comera_compile.cce import record_cce_stats
 
     with record_cce_stats() as stats:
         precompile.run_job(_cpu_job(strategy="static"))

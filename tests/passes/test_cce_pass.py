@@ -221,7 +221,7 @@ def test_pinned_strategy_reaches_the_op_and_matches_eager(strategy):
 def test_the_cost_model_runs_once_per_head(monkeypatch, options, rewrites):
     """One decision per head (whether fusing pays, the op's path): the build and the detail explain
     shows read it; the cost model is not run again for each."""
-    import comera_compile.kernels.linear_cross_entropy_plan as plan
+    import comera_compile.cce.planner as plan
 
     runs = []
     estimate = plan.estimate_seconds
@@ -383,7 +383,7 @@ def _vocab_a_few_percent_slower(n_tokens, hidden, least):
     """A vocabulary (>= least) whose fused loss the CPU's rates put slower than the unfused one, within
     the memory policy's cap (found through the cost model, so it follows the rates)."""
     from comera_compile.devices import CPU
-    from comera_compile.kernels.linear_cross_entropy_plan import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
+    from comera_compile.cce import MEMORY_POLICY_SLOWDOWN, decide_fused_loss
 
     for vocab in range(least, 20001, 100):
         if 1.0 < decide_fused_loss(n_tokens, hidden, vocab, torch.float32, rates=CPU).slowdown <= MEMORY_POLICY_SLOWDOWN:
