@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -105,8 +107,35 @@ def _timed_backward(inner_compile: Callable, index: int) -> Callable:
     return compile_logged
 
 
-def _cuda_available() -> bool:
+def _torch_cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the backend asks of the machine: ``cuda_available()``, whether CUDA graphs can be used
+    (default: ``torch.cuda.is_available()``, asked at each compile). Swap one in for a block with
+    :func:`use_platform`."""
+
+    cuda_available: Callable[[], bool] = _torch_cuda_available
+
+
+_PLATFORM: contextvars.ContextVar[Platform] = contextvars.ContextVar("comera_platform", default=Platform())
+
+
+@contextlib.contextmanager
+def use_platform(platform: Platform) -> Iterator[Platform]:
+    """Within the block, graphs this thread compiles ask ``platform`` (e.g. ``Platform(cuda_available=lambda:
+    True)`` to see what a GPU machine would hand Inductor); on exit the previous one is back."""
+    token = _PLATFORM.set(platform)
+    try:
+        yield platform
+    finally:
+        _PLATFORM.reset(token)
+
+
+def _cuda_available() -> bool:
+    return _PLATFORM.get().cuda_available()
 
 
 def compile_inner(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOptions,

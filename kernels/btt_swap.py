@@ -19,13 +19,16 @@ under ``TRITON_INTERPRET=1`` with ``COMERA_FORCE_TRITON=1`` the kernel runs on t
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+import dataclasses
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
-__all__ = ["btt_blocks", "btt_blocks_backward", "btt_swap", "swap_blocks"]
+__all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "btt_swap", "current_impl", "swap_blocks", "use_impl"]
 
 if HAS_TRITON:
     import triton
@@ -96,7 +99,7 @@ def swap_blocks(x: torch.Tensor, impl: str = "auto", widen: bool = True) -> torc
     if use_triton(x, impl, op="btt_swap"):
         # Whether Triton runs is decided by use_triton (the install, the device, impl=), never by an
         # earlier call's failure: a kernel that fails raises, here and at every call.
-        return _swap_triton(x.contiguous(), widen)
+        return current_impl().swap_kernel(x.contiguous(), widen)
     return x.permute(2, 1, 0, 3).clone(memory_format=torch.contiguous_format)  # a copy, never a view
 
 
@@ -140,6 +143,45 @@ def _blocks_forward(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Te
     return ys, ts
 
 
+@dataclasses.dataclass(frozen=True)
+class BlocksImpl:
+    """The implementations the ops of this module call: ``swap_kernel(x, widen)``, the Triton swap of a
+    contiguous ``x [A, M, B, K]`` (what :func:`swap_blocks` runs where it takes the kernel), and
+    ``blocks_forward(x, first, seconds, r) -> (ys, ts)``, the body of ``comera::btt_blocks``. The
+    default (``BlocksImpl()``) holds this module's own; swap one in for a scope with :func:`use_impl`."""
+
+    swap_kernel: Callable[..., torch.Tensor] = _swap_triton
+    blocks_forward: Callable[..., tuple[list[torch.Tensor], torch.Tensor]] = _blocks_forward
+
+
+_IMPL: contextvars.ContextVar[BlocksImpl] = contextvars.ContextVar("comera_btt_impl", default=BlocksImpl())
+
+
+def current_impl() -> BlocksImpl:
+    """The :class:`BlocksImpl` the ops call now: the default, or the one of the innermost
+    :func:`use_impl` block."""
+    return _IMPL.get()
+
+
+@contextlib.contextmanager
+def use_impl(*, swap_kernel: Optional[Callable[..., torch.Tensor]] = None,
+             blocks_forward: Optional[Callable[..., tuple[list[torch.Tensor], torch.Tensor]]] = None
+             ) -> Iterator[BlocksImpl]:
+    """Within the block, the ops call ``swap_kernel`` / ``blocks_forward`` in place of the current ones
+    (those not given stay); yields the :class:`BlocksImpl` in use. Scoped: on exit the previous one
+    is back, whatever the block raised. It is a context variable, so it holds for calls made in this
+    thread (and context) only: an autograd backward that the engine runs on a device thread (CUDA)
+    calls the default. To wrap the current implementation, read it before the block
+    (``kernel = current_impl().swap_kernel``) and call that from the wrapper."""
+    changes = {k: v for k, v in (("swap_kernel", swap_kernel), ("blocks_forward", blocks_forward)) if v is not None}
+    impl = dataclasses.replace(current_impl(), **changes)
+    token = _IMPL.set(impl)
+    try:
+        yield impl
+    finally:
+        _IMPL.reset(token)
+
+
 @torch.library.custom_op("comera::btt_blocks", mutates_args=())
 def btt_blocks(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor], r: int) -> list[torch.Tensor]:
     """``x [n, b1 b2] -> y_i [n, c_i a_i]`` through block tensor-trains that share their first core
@@ -154,7 +196,7 @@ def btt_blocks(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor]
     arrives on its own: a split of one wide output made the backward concatenate them, and at d 4096 on
     an H200 that copy, with the RoPE backward fused into it, took 1.16 ms a layer, where the dense
     model's RoPE-backward kernels take 0.37 ms."""
-    ys, ts = _blocks_forward(x, first, seconds, r)
+    ys, ts = current_impl().blocks_forward(x, first, seconds, r)
     return ys + [ts]
 
 

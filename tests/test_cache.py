@@ -74,15 +74,16 @@ def test_cudagraphs_option_reaches_inductor(monkeypatch):
     import torch._inductor.compile_fx as compile_fx_mod
 
     monkeypatch.setattr(compile_fx_mod, "compile_fx", fake_compile_fx)
-    import comera_compile.backend as backend
+    from comera_compile.backend import Platform, use_platform
 
-    monkeypatch.setattr(backend, "_cuda_available", lambda: True)
-    torch.compile(lambda x: x + 1, backend="comera", mode="reduce-overhead")(torch.ones(2))
-    assert seen["triton.cudagraphs"] is True
-    assert isinstance(seen["post_grad_custom_post_pass"], SourceKeyedPass)
-    seen.clear()
-    torch._dynamo.reset()
-    torch.compile(lambda x: x + 2, backend="comera", options={"cudagraphs": True, "max_autotune": True})(torch.ones(2))
+    with use_platform(Platform(cuda_available=lambda: True)):
+        torch.compile(lambda x: x + 1, backend="comera", mode="reduce-overhead")(torch.ones(2))
+        assert seen["triton.cudagraphs"] is True
+        assert isinstance(seen["post_grad_custom_post_pass"], SourceKeyedPass)
+        seen.clear()
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 2, backend="comera", options={"cudagraphs": True,
+                                                                  "max_autotune": True})(torch.ones(2))
     assert seen["triton.cudagraphs"] is True and seen["max_autotune"] is True
 
 

@@ -56,14 +56,13 @@ def test_an_optimizer_built_after_tensorize_is_not_warned_about():
     assert not torch.equal(layer.param.core_flat.detach(), cores)
 
 
-def test_tensorize_installs_the_check_and_compiling_alone_does_not(monkeypatch):
-    import comera_compile.tensorize.optimizer_check as check
+def test_tensorize_installs_the_check_and_compiling_alone_does_not():
+    from comera_compile.tensorize.optimizer_check import OptimizerWatch, use_watch
 
     installed = []
-    monkeypatch.setattr(check, "_handle", None)
-    monkeypatch.setattr(check, "register_optimizer_step_pre_hook", lambda hook: installed.append(hook) or hook)
-    torch.compile(nn.Linear(2, 2), backend="comera", options={"inner": "eager"})(torch.randn(1, 2))
-    cc.hf.compile(nn.Linear(2, 2), fused_loss=False)
-    assert installed == []  # no tensorize_, no hook
-    cc.tensorize_(_model(), cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: fqn == "0")
+    with use_watch(OptimizerWatch(register=lambda hook: installed.append(hook) or hook)):
+        torch.compile(nn.Linear(2, 2), backend="comera", options={"inner": "eager"})(torch.randn(1, 2))
+        cc.hf.compile(nn.Linear(2, 2), fused_loss=False)
+        assert installed == []  # no tensorize_, no hook
+        cc.tensorize_(_model(), cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: fqn == "0")
     assert len(installed) == 1

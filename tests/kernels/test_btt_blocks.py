@@ -146,7 +146,7 @@ def test_planner_costs_both_and_picks_the_blocks_for_large_blocks():
 
 
 @pytest.mark.parametrize("merges", ["inductor", "opaque"])
-def test_pass_contracts_the_tokens_through_a_wide_btt_layer_and_matches_eager(merges, monkeypatch):
+def test_pass_contracts_the_tokens_through_a_wide_btt_layer_and_matches_eager(merges):
     """A btt Linear wide enough (2048, blocks of 64, rank 4) that the blocks beat forming the weight:
     the blocks run as comera::btt_blocks, whatever tt_merges says."""
     torch.manual_seed(0)
@@ -158,9 +158,9 @@ def test_pass_contracts_the_tokens_through_a_wide_btt_layer_and_matches_eager(me
     from comera_compile.kernels import btt_swap
 
     calls = []
-    forward = btt_swap._blocks_forward
-    monkeypatch.setattr(btt_swap, "_blocks_forward", lambda *a: calls.append(1) or forward(*a))
-    text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_merges=merges)
+    forward = btt_swap.current_impl().blocks_forward
+    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append(1) or forward(*a)):
+        text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_merges=merges)
     assert calls
     assert "btt 2048->2048, blocks [32x64]|[32x64] at rank 4: blocks ~" in text and "other: dense ~" in text
     assert "marker op" not in text and "still forms a dense weight" not in text
@@ -247,15 +247,13 @@ def test_a_failing_swap_kernel_raises_at_every_call_and_switches_nothing(monkeyp
         calls.append(1)
         raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(mod, "_swap_triton", broken)
     x = torch.randn(3, 2, 4, 5)
-    for impl in ("auto", "auto", "triton"):
-        with pytest.raises(RuntimeError, match="no kernel here"):
-            mod.swap_blocks(x, impl=impl)
-    assert len(calls) == 3
-    assert torch.equal(mod.swap_blocks(x, impl="torch"), x.permute(2, 1, 0, 3).contiguous())
-    monkeypatch.undo()
-    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    with mod.use_impl(swap_kernel=broken):
+        for impl in ("auto", "auto", "triton"):
+            with pytest.raises(RuntimeError, match="no kernel here"):
+                mod.swap_blocks(x, impl=impl)
+        assert len(calls) == 3
+        assert torch.equal(mod.swap_blocks(x, impl="torch"), x.permute(2, 1, 0, 3).contiguous())
     assert torch.equal(mod.swap_blocks(x), x.permute(2, 1, 0, 3).contiguous())  # the real kernel runs again
 
 
@@ -380,17 +378,16 @@ def _qkv(inplace=False):
     return eager
 
 
-def test_btt_layers_reading_one_input_share_one_blocks_call(monkeypatch):
+def test_btt_layers_reading_one_input_share_one_blocks_call():
     """Q, K and V on the blocks path (2048 wide, pinned): one btt_blocks call for the three, whose
     column blocks differ (V has half), biases on two; the step matches eager."""
     from comera_compile.kernels import btt_swap
 
     eager = _qkv()
     calls = []
-    forward = btt_swap._blocks_forward
-    monkeypatch.setattr(btt_swap, "_blocks_forward",
-                        lambda *a: calls.append([s.shape[0] for s in a[2]]) or forward(*a))
-    text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_strategy="blocks")
+    forward = btt_swap.current_impl().blocks_forward
+    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append([s.shape[0] for s in a[2]]) or forward(*a)):
+        text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_strategy="blocks")
     assert text.count("one batched call with 2 other layer(s) reading the same input") == 3, text
     assert calls and all(c == [32, 32, 16] for c in calls)  # the column blocks of each: one call, all three
 
@@ -435,10 +432,15 @@ def test_every_op_of_btt_swap_passes_opcheck(case, impl, monkeypatch):
     from comera_compile.kernels import btt_swap as mod
 
     calls = []
+    kernel = mod.current_impl().swap_kernel
     if impl == "triton":
         monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
-        kernel = mod._swap_triton
-        monkeypatch.setattr(mod, "_swap_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    with mod.use_impl(swap_kernel=lambda *a, **k: calls.append(1) or kernel(*a, **k)):
+        _opcheck_every_op(case, impl)
+    assert impl == "torch" or calls  # the kernel ran
+
+
+def _opcheck_every_op(case, impl):
     n, b1, b2, r = case[:4]
     x, first, seconds = _op_inputs(case, torch.float32 if impl == "triton" else torch.float64)
     leaves = [t.requires_grad_() for t in [x, first] + seconds]
@@ -452,7 +454,6 @@ def test_every_op_of_btt_swap_passes_opcheck(case, impl, monkeypatch):
         args = (grads, x.detach() if "first" in given else None, ts if "seconds" in given else None,
                 first.detach() if "x" in given else None, [s.detach() for s in seconds], r)
         torch.library.opcheck(torch.ops.comera.btt_blocks_backward.default, args)
-    assert impl == "torch" or calls  # the kernel ran
 
 
 # ------------------------------------------------------------------ what the blocks' backward saves
@@ -538,16 +539,21 @@ def test_a_frozen_btt_layer_lets_its_input_be_written_in_place(input_grad):
 # ------------------------------------------------------------------ zero tokens
 
 @pytest.mark.parametrize("dynamic, batches", [(None, (0,)), (True, (5, 0, 3))], ids=["static", "dynamic"])
-def test_zero_tokens_on_the_blocks_path_match_eager(dynamic, batches, monkeypatch):
+def test_zero_tokens_on_the_blocks_path_match_eager(dynamic, batches):
     """A btt layer on the blocks path (pinned) given no tokens, shape (0, 3, 64): an empty output and
     zero gradients, as eager; under dynamic=True the batch sizes 5, 0, 3 in turn."""
-    from torch import nn
-
     from comera_compile.kernels import btt_swap
 
     calls = []
-    forward = btt_swap._blocks_forward
-    monkeypatch.setattr(btt_swap, "_blocks_forward", lambda *a: calls.append(a[0].shape[0]) or forward(*a))
+    forward = btt_swap.current_impl().blocks_forward
+    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append(a[0].shape[0]) or forward(*a)):
+        _zero_token_steps(dynamic, batches)
+    assert set(calls) >= {b * 3 for b in batches}  # the blocks ran, zero tokens included
+
+
+def _zero_token_steps(dynamic, batches):
+    from torch import nn
+
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
     tensorize_(eager, TTConfig(fmt="btt", rank=2, min_size=0), filter_fn=lambda mod, fqn: fqn == "0")
@@ -565,4 +571,3 @@ def test_zero_tokens_on_the_blocks_path_match_eager(dynamic, batches, monkeypatc
         torch.testing.assert_close(got, want)
         for (name, p), (_, q) in zip(eager.named_parameters(), compiled_model.named_parameters()):
             torch.testing.assert_close(q.grad, p.grad, msg=name)
-    assert set(calls) >= {b * 3 for b in batches}  # the blocks ran, zero tokens included
