@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from comera_compile._logging import logger
+from comera_compile._scope import scoped
 from comera_compile.fx_utils import iter_graph_modules
 from comera_compile.options import CompileOptions, OptionsError
 from comera_compile.pass_manager import PassContext, enabled_pass_names, run_passes
@@ -127,11 +128,8 @@ _PLATFORM: contextvars.ContextVar[Platform] = contextvars.ContextVar("comera_pla
 def use_platform(platform: Platform) -> Iterator[Platform]:
     """Within the block, graphs this thread compiles ask ``platform`` (e.g. ``Platform(cuda_available=lambda:
     True)`` to see what a GPU machine would hand Inductor); on exit the previous one is back."""
-    token = _PLATFORM.set(platform)
-    try:
+    with scoped(_PLATFORM, platform):
         yield platform
-    finally:
-        _PLATFORM.reset(token)
 
 
 def _cuda_available() -> bool:

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from comera_compile._scope import scoped
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
 __all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "btt_swap", "current_impl", "swap_blocks", "use_impl"]
@@ -174,12 +175,8 @@ def use_impl(*, swap_kernel: Optional[Callable[..., torch.Tensor]] = None,
     calls the default. To wrap the current implementation, read it before the block
     (``kernel = current_impl().swap_kernel``) and call that from the wrapper."""
     changes = {k: v for k, v in (("swap_kernel", swap_kernel), ("blocks_forward", blocks_forward)) if v is not None}
-    impl = dataclasses.replace(current_impl(), **changes)
-    token = _IMPL.set(impl)
-    try:
+    with scoped(_IMPL, dataclasses.replace(current_impl(), **changes)) as impl:
         yield impl
-    finally:
-        _IMPL.reset(token)
 
 
 @torch.library.custom_op("comera::btt_blocks", mutates_args=())

@@ -40,6 +40,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from comera_compile._scope import scoped
+
 MAX_JOB_BYTES = 1 << 30
 JOB_TIMEOUT_S = 300
 
@@ -186,12 +188,8 @@ def use_scheduler(scheduler: Optional[Scheduler] = None) -> Iterator[Scheduler]:
     """Within the block, :func:`schedule` uses ``scheduler`` (a new :class:`Scheduler` when None), which
     it yields; on exit the previous one is back. A context variable: it holds for this thread (and
     context) only. Its processes are left running on exit (call its ``stop()`` to end them)."""
-    scheduler = Scheduler() if scheduler is None else scheduler
-    token = _SCHEDULER.set(scheduler)
-    try:
-        yield scheduler
-    finally:
-        _SCHEDULER.reset(token)
+    with scoped(_SCHEDULER, Scheduler() if scheduler is None else scheduler) as current:
+        yield current
 
 
 def schedule(job: Optional[dict]) -> bool:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from comera_compile._scope import scoped
+
 __all__ = ["OptimizerWatch", "current_watch", "stale_parameters", "use_watch", "watch_optimizers"]
 
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -84,12 +86,8 @@ def use_watch(watch: Optional[OptimizerWatch] = None) -> Iterator[OptimizerWatch
     :class:`OptimizerWatch` when None), which it yields; on exit the previous one is back. A hook it
     installed stays installed (call its ``remove()``). A context variable: it holds for this thread
     (and context) only."""
-    watch = OptimizerWatch() if watch is None else watch
-    token = _WATCH.set(watch)
-    try:
-        yield watch
-    finally:
-        _WATCH.reset(token)
+    with scoped(_WATCH, OptimizerWatch() if watch is None else watch) as current:
+        yield current
 
 
 def watch_optimizers() -> None:
