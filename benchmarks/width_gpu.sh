@@ -10,8 +10,8 @@
 # Environment: WORK (default /tmp/width), TIMING (configurations timed alone first; empty: none), RUNS
 # (the study's runs, NAME@LR, in order of priority), CONCURRENCY (4), STEPS (1900 x 32 x 512 = 31.1 M
 # tokens), EVAL_EVERY (95), EXTRA (more train_lm flags for every run), TIMING_DEADLINE_S (330), DEADLINE_S
-# (the study's, 1050), POLL_S (540), GPU_TESTS (non-empty: tests/test_gpu*.py run beside the study, log
-# gpu_tests.log). The long horizon (>= 100 M tokens, one epoch at most):
+# (the study's, 1050), POLL_S (540), GPU_TESTS (1: tests/test_gpu.py and tests/test_gpu_cce.py run beside the study, log
+# gpu_tests.log; or the test files to run). The long horizon (>= 100 M tokens, one epoch at most):
 #   STEPS=6200 EVAL_EVERY=310 EXTRA="--max-corpus-mb 450" RUNS="w-dense@0.0003,w-btt-r1@0.0096,w-d1024@0.0006" ...
 set -u
 cmd=${1:-poll}
@@ -31,7 +31,8 @@ if [ -n "${TIMING:-}" ]; then
         --deadline-s ${TIMING_DEADLINE_S:-330} || echo "timing pass: rc \$?"
 fi
 if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests beside the study (nothing they do is timed)
-    (timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_cce.py > "$work/gpu_tests.log" 2>&1;
+    tests="${GPU_TESTS}"; [ "\$tests" = 1 ] && tests="tests/test_gpu.py tests/test_gpu_cce.py"
+    (timeout 600 python3 -m pytest -q -p no:cacheprovider \$tests > "$work/gpu_tests.log" 2>&1;
      echo "gpu tests rc \$?" >> "$work/gpu_tests.log") &
 fi
 python3 benchmarks/quality_study.py "\${common[@]}" --configs "${RUNS:-}" --concurrency ${CONCURRENCY:-4} \

@@ -24,3 +24,15 @@ def test_smoke_rows_match_the_reference_and_the_verdict_reads_auto_against_its_e
         assert r["err_loss"] < 1e-5 and r["err_dx"] < 1e-4 and r["err_dw"] < 1e-4, r
     out = capsys.readouterr().out
     assert "its exact path" in out and 'a compiled module (backend="comera")' in out
+
+
+def test_the_verdict_calls_a_different_slower_path_slower_and_the_same_path_noise():
+    row = lambda ms, *paths: {"ms": ms, "paths": list(paths)}  # noqa: E731
+    assert bench.auto_against_exact(row(13.98, "forward:triton", "forward:sparse"), row(12.16, "forward:chunked")) \
+        == "SLOWER"
+    assert bench.auto_against_exact(row(10.25, "forward:triton", "forward:sparse"), row(11.99, "forward:chunked")) \
+        == "not slower"
+    same = bench.auto_against_exact(row(12.27, "forward:chunked"), row(12.22, "forward:chunked"))
+    assert same.startswith("the same path") and "0.4 %" in same
+    assert bench.auto_against_exact(row(12.30, "forward:sparse"), row(12.22, "forward:chunked")) == "not slower"
+    assert bench.auto_against_exact(row(12.60, "forward:sparse"), row(12.22, "forward:chunked")) == "SLOWER"
