@@ -184,11 +184,12 @@ class TTConverter(ModelConfigConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
-        rank: int = 32
-        """TT rank of every internal bond (TTConfig.rank)."""
+        rank: Optional[int] = None
+        """TT rank of every internal bond (TTConfig.rank; None: the format's own, 32 for TT-matrix, 1 for btt)."""
 
         fmt: str = "auto"
-        """"auto" / "ttm" (TT-matrix), "tt" or "btt" (TTConfig.fmt)."""
+        """"auto" (btt at rank 1 for Linears at least 2048 wide when rank is None, else TT-matrix), "ttm",
+        "tt" or "btt" (TTConfig.fmt)."""
 
         n_cores: Optional[int] = None
         """Number of cores (TTConfig.n_cores; None: modes near 10)."""

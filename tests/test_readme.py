@@ -85,12 +85,12 @@ def test_readme_lists_every_option():
     assert documented == cc.CompileOptions.keys()
 
 
-def test_readme_says_the_default_tt_format_forms_the_dense_weight():
-    """The default TT-matrix format merges the dense weight from its cores (explain's plan says so);
+def test_readme_says_the_ttm_format_forms_the_dense_weight():
+    """The TT-matrix format (the default below 2048 features) merges the dense weight from its cores (explain's plan says so);
     the README's summary says that instead of claiming the dense weight is never formed."""
     intro = README.read_text().split("## Set up")[0]
     assert "never formed" not in intro
-    assert re.search(r"default `ttm`[^;]*form[^;]*dense weight", intro.replace("\n", " "))
+    assert re.search(r"TT-matrix \(`ttm`\)[^;]*form[^;]*dense weight", intro.replace("\n", " "))
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0))
     (layer,) = cc.iter_tt_layers(model)

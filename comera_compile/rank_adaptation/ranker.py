@@ -92,6 +92,22 @@ class RankAdaptation:
     it replace its fields. ``self.config`` is the resolved ``RankConfig``.
     """
 
+    def _check_prunable(self) -> None:
+        """Layers whose every internal bond is at ``min_rank`` have nothing to prune (a ``"btt"`` layer at
+        rank 1, what ``TTConfig()`` gives a Linear layer at least 2048 wide, or a model already pruned to the floor
+        and resumed): named in a warning."""
+        stuck = [lay.fqn for lay in self.layers
+                 if all(r <= self.min_rank for r in lay.param.spec.ranks[1:-1])]
+        if not stuck:
+            return
+        how = (f"every internal bond is at min_rank={self.min_rank}, so rank adaptation cannot shrink them "
+               "(TTConfig() gives a Linear layer at least 2048 wide the 'btt' format at rank 1); tensorize them with "
+               "a larger rank to prune, e.g. TTConfig(fmt='btt', rank=4) or TTConfig(fmt='ttm', rank=64)")
+        which = "no tensor-train layer can" if len(stuck) == len(self.layers) else \
+            f"{len(stuck)} of {len(self.layers)} tensor-train layers cannot"
+        warnings.warn(f"RankAdaptation: {which} be pruned ({stuck[:4]}{' ...' if len(stuck) > 4 else ''}): "
+                      f"{how}", stacklevel=3)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, target_compression: float | None = None,
                  *, config: RankConfig | None = None, **options: Any) -> None:
         self.config = config = _config_of(target_compression, config, options)
@@ -126,6 +142,7 @@ class RankAdaptation:
         self.min_rank = config.min_rank
         self.gate_lr_scale = config.gate_lr_scale
         self._gate_scales = self._resolve_gate_scales()
+        self._check_prunable()
 
         report = compression_report(self.model)
         self.dense_params = report.dense_params

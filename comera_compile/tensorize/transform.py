@@ -214,7 +214,7 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
     def error(msg: str) -> ValueError:
         return _layer_error(fqn, kind, weight.shape, msg)
 
-    fmt = cfg.fmt if cfg.fmt != "auto" else "ttm"
+    fmt, rank, _ = cfg.resolve(kind, rows, cols)
     if cfg.modes is not None:
         row_modes, col_modes = cfg.modes
         auto = _auto_modes(fmt, rows, cols, cfg, error)
@@ -235,7 +235,7 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
         row_modes, col_modes = _auto_modes(fmt, rows, cols, cfg, error)
     n = tt.n_cores(fmt, row_modes, col_modes)
     try:
-        ranks = tt.normalize_ranks(cfg.rank, n)
+        ranks = tt.normalize_ranks(rank, n)
     except ValueError as e:
         raise error(f"{e}; valid: a positive int, or {n - 1} positive ints (one per internal bond "
                     f"of the {n} cores {fmt} {[list(row_modes), list(col_modes)]})") from None
@@ -262,6 +262,8 @@ def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, layout: _Layout | No
                            "layers (an embedding's rows are read, not multiplied); leave it out with filter_fn or "
                            "a config dict ({name: TTConfig(...)}, None to skip)")
     spec = _tt_spec(fqn, layout, weight, cfg)
+    if cfg.fmt == "auto":
+        log.info("tensorize_: %s: %s", fqn, cfg.resolve(layout.kind, layout.rows, layout.cols)[2])
     std = cfg.init_std
     if std is None and layout.kind == "Embedding":  # the model's own embedding scale
         std = float(weight.detach().float().std()) if weight.device.type != "meta" and weight.numel() > 1 else 1.0
@@ -435,7 +437,8 @@ def _svd_tol_missed(fqn: str, cfg: TTConfig, cap: TTSpec, got: TTSpec, error: fl
     """``'fqn': relative error E > tol, ...`` naming the bonds the rank cap stopped (1-based)."""
     bounds = tt.rank_bounds(cap.sizes)
     capped = [k for k in range(1, len(got.ranks) - 1) if got.ranks[k] == cap.ranks[k] < bounds[k]]
-    why = (f"stopped by the rank cap (rank={cfg.rank!r}) at bond(s) {capped}" if capped else
+    why = (f"stopped by the rank cap (rank={cfg.rank if cfg.rank is not None else max(cap.ranks)!r}) "
+           f"at bond(s) {capped}" if capped else
            "though no bond is at its cap (rounding)")
     return f"'{fqn}': relative error {error:.3g} > {cfg.svd_tol:g}, {why}"
 
