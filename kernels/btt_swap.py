@@ -29,7 +29,7 @@ import torch
 from comera_compile._scope import scoped
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
-__all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "btt_swap", "current_impl", "swap_blocks", "use_impl"]
+__all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "btt_swap", "current_impl", "swap_blocks", "use_impl", "widened"]
 
 if HAS_TRITON:
     import triton
@@ -64,7 +64,7 @@ def _blocks(k: int) -> tuple[int, int, int]:
 _WIDE = {4: torch.int32, 8: torch.int64}  # bytes -> the integer type of that width
 
 
-def _widened(x: torch.Tensor) -> torch.Tensor:
+def widened(x: torch.Tensor) -> torch.Tensor:
     """``x [A, M, B, K]`` (contiguous) read as ``[A, M, B, K']`` of wider integers holding its K
     elements a few at a time (int64 where K x itemsize is a multiple of 8 bytes, else int32 where of 4):
     the swap of rank-4 bf16 blocks is then the swap of one int64 per (A, M, B) position. The same
@@ -77,7 +77,7 @@ def _widened(x: torch.Tensor) -> torch.Tensor:
 
 
 def _swap_triton(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
-    src = _widened(x) if widen else x
+    src = widened(x) if widen else x
     A, M, B, K = src.shape
     y = src.new_empty((B, M, A, K))
     if y.numel() == 0:

@@ -46,7 +46,9 @@ MAX_JOB_BYTES = 1 << 30
 JOB_TIMEOUT_S = 300
 
 
-def _tensor_spec(t: Optional[torch.Tensor], requires_grad: bool) -> Optional[dict]:
+def tensor_spec(t: Optional[torch.Tensor], requires_grad: bool) -> Optional[dict]:
+    """One tensor of a job (shape, strides, dtype, whether the job's backward needs its gradient); None for an
+    absent one. A symbolic size raises ValueError: such a call has no concrete job."""
     if t is None:
         return None
     sizes = (*t.shape, *t.stride())
@@ -80,8 +82,8 @@ def lce_job(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: O
     if LCEOptions.from_op_args(tuple(op_args)).impl == "torch":  # no kernel to compile
         return None
     try:
-        tensors = [_tensor_spec(x, needs[0]), _tensor_spec(weight, needs[1]), _tensor_spec(target, False),
-                   _tensor_spec(bias, needs[2])]
+        tensors = [tensor_spec(x, needs[0]), tensor_spec(weight, needs[1]), tensor_spec(target, False),
+                   tensor_spec(bias, needs[2])]
     except ValueError:
         return None
     # the inputs, their gradients, and the loss's working memory (its budget, at most 1/16 of fp32 logits)

@@ -194,13 +194,13 @@ def test_the_widened_view_holds_the_same_bytes():
     itemsize / width; no view where no wider integer divides the row."""
     from comera_compile.kernels import btt_swap
 
-    assert btt_swap._widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).shape == (2, 3, 4, 1)
-    assert btt_swap._widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).dtype == torch.int64
-    assert btt_swap._widened(torch.zeros(2, 3, 4, 6, dtype=torch.float16)).dtype == torch.int32
-    assert btt_swap._widened(torch.zeros(2, 3, 4, 2, dtype=torch.float32)).shape == (2, 3, 4, 1)
+    assert btt_swap.widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).shape == (2, 3, 4, 1)
+    assert btt_swap.widened(torch.zeros(2, 3, 4, 4, dtype=torch.bfloat16)).dtype == torch.int64
+    assert btt_swap.widened(torch.zeros(2, 3, 4, 6, dtype=torch.float16)).dtype == torch.int32
+    assert btt_swap.widened(torch.zeros(2, 3, 4, 2, dtype=torch.float32)).shape == (2, 3, 4, 1)
     for x in (torch.zeros(2, 3, 4, 1, dtype=torch.bfloat16), torch.zeros(2, 3, 4, 3, dtype=torch.float16),
               torch.zeros(2, 3, 4, 1, dtype=torch.float32)):
-        assert btt_swap._widened(x) is x
+        assert btt_swap.widened(x) is x
 
 
 def test_swap_op_backward_swaps_back_and_checks_its_input():

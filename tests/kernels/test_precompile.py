@@ -76,8 +76,8 @@ def _cpu_job(**options):
     x, w, t = torch.zeros(16, 8), torch.zeros(8, 50).t(), torch.zeros(16, dtype=torch.long)
     spec = {"op": "linear_cross_entropy", "device": 0, "allow_tf32": False,
             "args": list(LCEOptions(filter_eps=0.0, **options).op_args()),
-            "tensors": [precompile._tensor_spec(x, True), precompile._tensor_spec(w, True),
-                        precompile._tensor_spec(t, False), None]}
+            "tensors": [precompile.tensor_spec(x, True), precompile.tensor_spec(w, True),
+                        precompile.tensor_spec(t, False), None]}
     return spec
 
 
