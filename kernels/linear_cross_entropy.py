@@ -39,6 +39,7 @@ import torch
 
 from .dispatch import IMPLS, use_triton
 from .linear_cross_entropy_paths import (
+    LossInputs,
     chunked,
     forward_dx_small_d,
     grad_coefs,
@@ -306,42 +307,37 @@ def _lce_op(
     valid = target != o.ignore_index
     budget = _budget(o.memory_budget, N, V)
     dx = dw = db = None
+    inp = LossInputs(x, weight, target, bias, o.softcap, o.ignore_index, o.label_smoothing)
     forms = o.forms_grads(x.shape[1], bias is not None)
     if any(forms) and triton and _forward_path(o, x, weight, budget) == "sparse":
         # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles,
         # which also bound the logits (while they pay): the rounds skip the tiles the filter would drop
         bounded = forward_bounds_pay(V, x.shape[1], x.dtype, o.filter_eps)
-        lse, tz, nll, bounds = _triton_loss_terms(x, weight, target, bias, o, valid, bounds=bounded)
+        lse, tz, nll, bounds = _triton_loss_terms(inp, o, valid, bounds=bounded)
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
-        dx, dw, db = recompute_backward("sparse", x, weight, target, bias, lse, tz, coefs, o.softcap,
-                                        o.label_smoothing, o.filter_eps, budget, *forms, phase="forward",
+        dx, dw, db = recompute_backward("sparse", inp, lse, tz, coefs, o.filter_eps, budget, forms, phase="forward",
                                         bounds=bounds)
     elif o.strategy == "fused" and any(forms) and triton:
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
-        lse, tz, dx = forward_dx_small_d(x, weight, target, bias, o.softcap, coefs)
+        lse, tz, dx = forward_dx_small_d(inp, coefs)
         nll = torch.where(valid, lse - tz, torch.zeros((), device=x.device, dtype=torch.float32))
         tz = torch.where(valid, tz, 0.0)
     elif any(forms):
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
-        nll, lse, tz, dx, dw, db = chunked(
-            x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing, budget, triton=triton,
-            need_dx=forms[0], need_dw=forms[1], need_db=forms[2], phase="forward")
+        nll, lse, tz, dx, dw, db = chunked(inp, coefs, budget, triton=triton, need=forms, phase="forward")
     elif triton:
-        lse, tz, nll, _ = _triton_loss_terms(x, weight, target, bias, o, valid)
+        lse, tz, nll, _ = _triton_loss_terms(inp, o, valid)
     else:
-        nll, lse, tz, *_ = chunked(x, weight, target, bias, None, o.softcap, o.ignore_index, o.label_smoothing,
-                                   budget, triton=False, need_dx=False, need_dw=False, need_db=False,
-                                   phase="forward")
+        nll, lse, tz, *_ = chunked(inp, None, budget, triton=False, phase="forward")
     return (_reduce(nll, valid, o.reduction), lse, tz, dx if dx is not None else x.new_empty((0,)),
             dw if dw is not None else weight.new_empty((0,)), db if db is not None else x.new_empty((0,)))
 
 
-def _triton_loss_terms(x, weight, target, bias, o: LCEOptions, valid: torch.Tensor, bounds: bool = False):
+def _triton_loss_terms(inp: LossInputs, o: LCEOptions, valid: torch.Tensor, bounds: bool = False):
     """(lse, target logit, per-token loss) fp32 [N] over Triton logits tiles (0 at ignored rows), and
     with ``bounds`` the tiles' :class:`LogitBounds` at the filter (else None)."""
-    V = weight.shape[0]
-    lse, tz, zs, lb = triton_forward(x, weight, target, bias, o.softcap, o.label_smoothing,
-                                     filter_eps=o.filter_eps if bounds and o.filters() else 0.0)
+    x, V = inp.x, inp.weight.shape[0]
+    lse, tz, zs, lb = triton_forward(inp, filter_eps=o.filter_eps if bounds and o.filters() else 0.0)
     nll = lse - (1.0 - o.label_smoothing) * tz
     if zs is not None:
         nll = nll - (o.label_smoothing / V) * zs
@@ -421,15 +417,13 @@ def _lce_backward_op(
     valid = target != o.ignore_index
     coefs = grad_coefs(grad_loss, grad_lse, valid, o.reduction, o.label_smoothing, V)
     budget = _budget(o.memory_budget, N, V)
+    inp = LossInputs(x, weight, target, bias, o.softcap, o.ignore_index, o.label_smoothing)
+    need = (o.need_dx, o.need_dw, need_db)
     if use_triton(x, o.impl, op=OP) and N > 0:
         path = _recompute_path(o, x, weight, budget)
-        dx, dw, db = recompute_backward(path, x, weight, target, bias, lse, tz, coefs, o.softcap,
-                                        o.label_smoothing, o.filter_eps if o.filters() else 0.0, budget,
-                                        o.need_dx, o.need_dw, need_db)
+        dx, dw, db = recompute_backward(path, inp, lse, tz, coefs, o.filter_eps if o.filters() else 0.0, budget, need)
     else:
-        *_, dx, dw, db = chunked(x, weight, target, bias, coefs, o.softcap, o.ignore_index, o.label_smoothing,
-                                 budget, triton=False, need_dx=o.need_dx, need_dw=o.need_dw, need_db=need_db,
-                                 phase="backward")
+        *_, dx, dw, db = chunked(inp, coefs, budget, triton=False, need=need, phase="backward")
     return (dx if dx is not None else x.new_empty((0,)),
             dw if dw is not None else weight.new_empty((0,)),
             db if db is not None else x.new_empty((0,)))

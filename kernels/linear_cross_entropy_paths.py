@@ -32,8 +32,27 @@ if HAS_TRITON:
         scale_kernel,
     )
 
-__all__ = ["FORWARD_DX_MAX_D", "GradCoefs", "chunked", "forward_dx_small_d", "grad_coefs", "recompute_backward",
-           "scale_", "triton_forward"]
+__all__ = ["FORWARD_DX_MAX_D", "GradCoefs", "LossInputs", "chunked", "forward_dx_small_d", "grad_coefs",
+           "recompute_backward", "scale_", "triton_forward"]
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What every driver reads of one call: the hidden states ``x`` [N, D], the head's ``weight`` [V, D],
+    ``target`` [N] (contiguous), ``bias`` [V] or None, and the loss's own scalars (``softcap``, 0: none; the
+    ``ignore_index`` target id; ``label_smoothing``)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    target: torch.Tensor
+    bias: Optional[torch.Tensor]
+    softcap: float = 0.0
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+
+    @property
+    def tensors(self) -> tuple:
+        return self.x, self.weight, self.target, self.bias
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,10 +112,11 @@ def grad_coefs(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def triton_forward(x, weight, target, bias, softcap: float, label_smoothing: float,
-                   filter_eps: float = 0.0):
+def triton_forward(inp: LossInputs, filter_eps: float = 0.0):
     """(lse, softcapped target logit, logit sum or None), fp32 [N], over Triton logits tiles; with
     ``filter_eps > 0`` also the :class:`LogitBounds` of the tiles, for a sparse pass that follows."""
+    x, weight, target, bias = inp.tensors
+    softcap, label_smoothing = inp.softcap, inp.label_smoothing
     cfg = _tuning(x)
     N, D = x.shape
     V = weight.shape[0]
@@ -196,10 +216,12 @@ def _target_logits(x, weight, target, bias, softcap: float, chunk: int = 4096) -
     return torch.where(ok, tz, torch.zeros_like(tz))
 
 
-def forward_dx_small_d(x, weight, target, bias, softcap: float, coefs: GradCoefs):
+def forward_dx_small_d(inp: LossInputs, coefs: GradCoefs):
     """(lse, softcapped target logit, dx) for D <= FORWARD_DX_MAX_D in one pass over the logits
     tiles: dx is formed for the coefficients ``coefs`` (grad_output = 1) as
     ``pcoef_i sum_v p_iv softcap'(z_iv) W_v - tcoef_i softcap'(z_it) W_t`` (no label smoothing)."""
+    x, weight, target, bias = inp.tensors
+    softcap = inp.softcap
     cfg = _tuning(x)
     N, D = x.shape
     V = weight.shape[0]
@@ -329,9 +351,8 @@ def _rows_triton(z, t, coefs: Optional[GradCoefs], softcap, ignore_index, label_
         num_warps=cfg.rows_warps)
 
 
-def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float, ignore_index: int,
-            label_smoothing: float, budget: int, *, triton: bool, need_dx: bool, need_dw: bool,
-            need_db: bool, phase: str):
+def chunked(inp: LossInputs, coefs: Optional[GradCoefs], budget: int, *, triton: bool,
+            need: tuple[bool, bool, bool] = (False, False, False), phase: str):
     """Loss terms and (with ``coefs``) gradients, a chunk of tokens at a time.
 
     Returns (nll, lse, target logit) fp32 [N] and dx, dw, db (None when not asked). With
@@ -339,6 +360,9 @@ def chunked(x, weight, target, bias, coefs: Optional[GradCoefs], softcap: float,
     does the softmax; otherwise everything runs in the compute dtype (the torch reference). The
     logits chunk is ``rows x V`` (``chunk_plan``), overwritten by its gradient.
     """
+    x, weight, target, bias = inp.tensors
+    softcap, ignore_index, label_smoothing = inp.softcap, inp.ignore_index, inp.label_smoothing
+    need_dx, need_dw, need_db = need
     N, D = x.shape
     V = weight.shape[0]
     cdt = x.dtype if triton else compute_dtype(x)
@@ -699,16 +723,15 @@ def _fused(bw: _Backward, phase: str = "backward") -> None:
     record(CCEStats(phase=phase, path="fused"))
 
 
-def recompute_backward(path: str, x, weight, target, bias, lse, tz, coefs: GradCoefs, softcap: float,
-                       label_smoothing: float, filter_eps: float, budget: int,
-                       need_dx: bool, need_dw: bool, need_db: bool, phase: str = "backward",
+def recompute_backward(path: str, inp: LossInputs, lse, tz, coefs: GradCoefs, filter_eps: float, budget: int,
+                       need: tuple[bool, bool, bool], phase: str = "backward",
                        bounds: Optional[LogitBounds] = None):
     """(dx, dw, db) by one of the Triton recompute paths: "sparse", "static" or "fused". ``phase``
     names the call in its :class:`CCEStats`: "forward" when the forward forms the gradient (for
     ``grad_output = 1``) by sparse rounds in place of the chunked path. ``bounds`` (sparse only):
     the forward's :class:`LogitBounds`, whose ruled-out tiles are not recomputed."""
-    bw = _Backward(x, weight, target, bias, lse, tz, coefs, softcap, label_smoothing, filter_eps,
-                   budget, need_dx, need_dw, need_db, order=path == "sparse")
+    bw = _Backward(*inp.tensors, lse, tz, coefs, inp.softcap, inp.label_smoothing, filter_eps,
+                   budget, *need, order=path == "sparse")
     if path == "sparse":
         _sparse(bw, phase, bounds)
     elif path == "fused":
