@@ -226,15 +226,15 @@ def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stacked_layout(meta: str, cores: tuple[tuple[int, ...], torch.dtype],
+def _stacked_layout(args: tuple, cores: tuple[tuple[int, ...], torch.dtype],
                     gates: tuple[tuple[int, ...], torch.dtype]) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]:
     """(shape, stride, dtype) of each tensor :func:`_group_stacked` returns for stacked storages of
-    these (shape, dtype), computed once on the meta device with every dispatch mode off. Fake
+    these (shape, dtype) and merge arguments (:func:`_merge_args`, lists as tuples), computed once on the meta device with every dispatch mode off. Fake
     propagation (the pass's, AOTAutograd's, Inductor's) then costs one allocation per output instead
     of running the merges' ~50 ops under a fake mode each time."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    spec, cut, output, dtype = _read_meta(meta)
+    spec, cut, output, dtype = _read_args(*args)
     with _disable_current_modes():
         c = torch.empty(cores[0], dtype=cores[1], device="meta")
         g = torch.empty(gates[0], dtype=gates[1], device="meta")
@@ -256,7 +256,7 @@ def group_outputs_like(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[
     if cores is None or gates is None or spec.fmt == "btt" and output not in ("dense", "dense_t"):
         return group_outputs(core_flats, gate_flats, spec, plan, output, dtype)
     K = len(core_flats)
-    layout = _stacked_layout(_merge_meta(spec, plan, output, dtype), ((K, *cores), core_flats[0].dtype),
+    layout = _stacked_layout(_hashable(_merge_args(spec, plan, output, dtype)), ((K, *cores), core_flats[0].dtype),
                              ((K, *gates), gate_flats[0].dtype))
     device = core_flats[0].device
     return _per_layer(*(torch.empty_strided(shape, stride, dtype=dt, device=device) for shape, stride, dt in layout))
@@ -454,24 +454,28 @@ def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tens
 # ------------------------------------------------------------------ the merges as one opaque op per group
 
 
-def _merge_meta(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: torch.dtype) -> str:
-    """Everything :func:`group_outputs` takes besides the tensors, as one string (an op argument)."""
-    import json
+def _merge_args(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: torch.dtype) -> tuple:
+    """What :func:`group_outputs` takes besides the tensors, as the merge ops' arguments: the :class:`TTSpec`'s
+    fields (fmt, row_modes, col_modes, ranks, rows, cols, transpose), the cut (its split, and its two merge
+    orders as bracket strings, e.g. ``"((0, 1), 2)"``), the output kind and the dtype."""
+    return (spec.fmt, [int(m) for m in spec.row_modes], [int(m) for m in spec.col_modes], [int(r) for r in spec.ranks],
+            int(spec.rows), int(spec.cols), bool(spec.transpose), int(plan.split), repr(plan.left), repr(plan.right),
+            output, dtype)
 
-    return json.dumps([spec.fmt, list(spec.row_modes), list(spec.col_modes), list(spec.ranks), spec.rows, spec.cols,
-                       spec.transpose, [plan.split, plan.left, plan.right], output, str(dtype).rpartition(".")[2]])
 
-
-def _read_meta(meta: str) -> tuple[TTSpec, Cut, str, torch.dtype]:
-    import json
-
-    fmt, rm, cm, ranks, rows, cols, transpose, (split, left, right), output, dtype = json.loads(meta)
+def _read_args(fmt: str, row_modes, col_modes, ranks, rows: int, cols: int, transpose: bool, split: int, left: str,
+               right: str, output: str, dtype: torch.dtype) -> tuple[TTSpec, Cut, str, torch.dtype]:
+    import ast
 
     def bracket(b):
         return b if isinstance(b, int) else tuple(bracket(x) for x in b)
 
-    return (TTSpec(fmt, rm, cm, ranks, rows, cols, transpose), Cut(split, bracket(left), bracket(right)), output,
-            getattr(torch, dtype))
+    return (TTSpec(fmt, tuple(row_modes), tuple(col_modes), tuple(ranks), rows, cols, transpose),
+            Cut(split, bracket(ast.literal_eval(left)), bracket(ast.literal_eval(right))), output, dtype)
+
+
+def _hashable(args: tuple) -> tuple:
+    return tuple(tuple(a) if isinstance(a, list) else a for a in args)
 
 
 def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -484,29 +488,36 @@ def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.library.custom_op("comera::tt_group_merge", mutates_args=())
-def _tt_group_merge(cores: torch.Tensor, gates: torch.Tensor, meta: str) -> list[torch.Tensor]:
+def _tt_group_merge(cores: torch.Tensor, gates: torch.Tensor, fmt: str, row_modes: list[int], col_modes: list[int],
+                    ranks: list[int], rows: int, cols: int, transpose: bool, split: int, left: str, right: str,
+                    output: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """The stacked outputs of :func:`_group_stacked` (``cores`` [K, numel], ``gates`` [K, n_gates]):
-    one tensor per output kind, not one per layer, so the forward copies nothing per layer."""
-    spec, cut, output, dtype = _read_meta(meta)
+    one tensor per output kind, not one per layer, so the forward copies nothing per layer. The
+    arguments after the tensors: :func:`_merge_args`."""
+    spec, cut, output, dtype = _read_args(fmt, row_modes, col_modes, ranks, rows, cols, transpose, split, left,
+                                          right, output, dtype)
     return [_fresh(t, (cores, gates)) for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
 
 
 @_tt_group_merge.register_fake
-def _(cores, gates, meta):
+def _(cores, gates, *args):
     shapes = _static_shape(cores), _static_shape(gates)
     if None in shapes:  # symbolic sizes: run the merges on the fake tensors
-        spec, cut, output, dtype = _read_meta(meta)
+        spec, cut, output, dtype = _read_args(*args)
         return [t.contiguous().clone() for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
-    layout = _stacked_layout(meta, (shapes[0], cores.dtype), (shapes[1], gates.dtype))
+    layout = _stacked_layout(_hashable(args), (shapes[0], cores.dtype), (shapes[1], gates.dtype))
     return [cores.new_empty(shape, dtype=dt) for shape, _, dt in layout]
 
 
 @torch.library.custom_op("comera::tt_group_merge_backward", mutates_args=())
-def _tt_group_merge_backward(cores: torch.Tensor, gates: torch.Tensor, grads: list[torch.Tensor],
-                             meta: str) -> list[torch.Tensor]:
+def _tt_group_merge_backward(cores: torch.Tensor, gates: torch.Tensor, grads: list[torch.Tensor], fmt: str,
+                             row_modes: list[int], col_modes: list[int], ranks: list[int], rows: int, cols: int,
+                             transpose: bool, split: int, left: str, right: str, output: str,
+                             dtype: torch.dtype) -> list[torch.Tensor]:
     """The gradients of ``comera::tt_group_merge`` for ``cores`` and ``gates``: its merges recomputed
     with autograd on (an op's body runs below autograd: the guard puts the autograd keys back)."""
-    spec, cut, output, dtype = _read_meta(meta)
+    spec, cut, output, dtype = _read_args(fmt, row_modes, col_modes, ranks, rows, cols, transpose, split, left,
+                                          right, output, dtype)
     if not all(hasattr(torch._C, name) for name in ("_ForceDispatchKeyGuard", "_dispatch_tls_local_exclude_set")):
         raise RuntimeError("tt_merges='opaque' needs torch's dispatch-key guards (torch._C._ForceDispatchKeyGuard), "
                            "which this torch lacks; compile with options={'tt_merges': 'inductor'}")
@@ -521,13 +532,13 @@ def _tt_group_merge_backward(cores: torch.Tensor, gates: torch.Tensor, grads: li
 
 
 @_tt_group_merge_backward.register_fake
-def _(cores, gates, grads, meta):
+def _(cores, gates, grads, *args):
     return [torch.empty_like(cores), torch.empty_like(gates)]
 
 
 def _merge_setup(ctx, inputs, output) -> None:
-    cores, gates, meta = inputs
-    ctx.meta, ctx.shapes = meta, [(o.shape, o.dtype) for o in output]
+    cores, gates, *args = inputs
+    ctx.args, ctx.shapes = args, [(o.shape, o.dtype) for o in output]
     ctx.save_for_backward(cores, gates)
 
 
@@ -536,8 +547,8 @@ def _merge_backward(ctx, grads):
     # an output kind the loss does not reach may come as None: its gradient is zero
     grads = [torch.zeros(shape, dtype=dtype, device=cores.device) if g is None else g
              for g, (shape, dtype) in zip(grads, ctx.shapes)]
-    g_cores, g_gates = torch.ops.comera.tt_group_merge_backward(cores, gates, grads, ctx.meta)
-    return g_cores, g_gates, None
+    g_cores, g_gates = torch.ops.comera.tt_group_merge_backward(cores, gates, grads, *ctx.args)
+    return (g_cores, g_gates) + (None,) * len(ctx.args)
 
 
 _tt_group_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
@@ -552,5 +563,5 @@ def group_outputs_opaque(core_flats: Sequence[torch.Tensor], gate_flats: Sequenc
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
     # the storages stacked and the outputs unbound in the graph (one stack per storage, views per layer)
     stacked = torch.ops.comera.tt_group_merge(_stack(core_flats), _stack(gate_flats),
-                                              _merge_meta(spec, plan, output, dtype))
+                                              *_merge_args(spec, plan, output, dtype))
     return _per_layer(*stacked)

@@ -81,9 +81,9 @@ def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output, layers):
     gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
              for _ in range(layers)]
     plan = planner.plan_embedding(spec, 16) if output == "tables" else planner.plan_linear(spec, 16)
-    meta = tt_runtime._merge_meta(spec, plan, output, torch.float64)
+    args = tt_runtime._merge_args(spec, plan, output, torch.float64)
     stacked = (torch.stack(flats), torch.stack(gates)) if layers > 1 else (flats[0][None], gates[0][None])
-    torch.library.opcheck(torch.ops.comera.tt_group_merge, (*stacked, meta))
+    torch.library.opcheck(torch.ops.comera.tt_group_merge, (*stacked, *args))
     got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, output, torch.float64)
     want = tt_runtime.group_outputs(flats, gates, spec, plan, output, torch.float64)
     assert len(got) == len(want)
