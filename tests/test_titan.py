@@ -164,8 +164,10 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
                                          "--training.steps", "7", "--dump_folder", "/tmp/x"])
     assert config.training.steps == 7 and isinstance(config.loss, titan.FusedCrossEntropyLoss.Config)
     assert isinstance(config.checkpoint, titan.CheckpointManager.Config)
-    assert config.model_spec.model._comera_tt_converter.rank == 32 and config.model_spec.model.dim == 2048
-    assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [3e-3] * 4
+    converter = config.model_spec.model._comera_tt_converter
+    assert (converter.fmt, converter.rank, config.model_spec.model.dim) == ("btt", None, 2048)
+    assert converter.tt_config().resolve("Linear", 2048, 8192)[:2] == ("btt", 1)
+    assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [4.8e-3] * 4
     dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])
     assert isinstance(dense.loss, ChunkedLossWrapper.Config) and not hasattr(dense.model_spec.model,
                                                                               "_comera_tt_converter")

@@ -158,7 +158,7 @@ def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int,
 D2048 = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=32768, max_seq_len=2048, attn_backend="flex",
              ffn_multiple=1024)
 TRAIN_2048 = dict(vocab=32768, seq_len=2048, batch=4, steps=300, dtype="bfloat16", log_freq=5, ac=True)
-TT_2048 = titan.TTConverter.Config(rank=32, fmt="auto", min_size=0)
+TT_2048 = titan.TTConverter.Config(fmt="btt", min_size=0)  # rank 1: the d 2048 width study's winning format
 
 
 def llama3_2048_dense() -> Trainer.Config:
@@ -170,8 +170,8 @@ def llama3_2048_fused() -> Trainer.Config:
 
 
 def llama3_2048_comera() -> Trainer.Config:
-    # a TT-matrix model trains best at a higher lr than its dense twin (cc.param_groups' docs: 8x at d 768)
-    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=3e-3)
+    # btt r1 trains best at a higher lr than its dense twin (cc.param_groups' docs: 4.8e-3 to 9.6e-3 at d 2048)
+    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=4.8e-3)
 
 
 # ---------------------------------------------------------------------------------------------

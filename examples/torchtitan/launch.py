@@ -8,6 +8,11 @@ import (``torch._utils._get_available_device_type() or "cuda"``) and reads memor
 device module, which ``torch.cpu`` lacks; this flag makes that device "cpu" and gives ``torch.cpu``
 the few statistics functions torchtitan calls (zeros). Nothing changes for a GPU run.
 
+``--offline-stubs``: where ``datasets`` or ``tensorboard`` is not installed (a GPU machine without a
+registry, where their wheels and pyarrow/pandas would not fit), stand-ins named after them let torchtitan
+import; this folder's configs use synthetic data and no tensorboard, so nothing calls them, and a call
+raises ``RuntimeError`` naming the missing package. An installed package is always used as it is.
+
 Always: torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13.0 lacks; where it is
 missing it is defined from torch's ``_set_pg_timeout`` (:func:`_set_timeout_shim`).
 """
@@ -44,6 +49,45 @@ def _cpu_device() -> None:
             setattr(cpu, name, fn)
 
 
+def _missing(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is None
+
+
+def _stub(name: str, package: str, **attrs) -> types.ModuleType:
+    """A module ``name`` whose attributes ``attrs`` raise when called (classes too, when instantiated)."""
+    module = types.ModuleType(name)
+    module.__file__ = f"<offline stub for {package}>"
+    module.__path__ = []  # a package, so that its submodules can be stubbed too
+
+    def refuse(what):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"{name}.{what}: {package} is not installed (launch.py --offline-stubs stands in for "
+                               f"it); install {package} to use this")
+        return call
+
+    for attr, kind in attrs.items():
+        setattr(module, attr, type(attr, (), {"__init__": refuse(attr)}) if kind == "class" else refuse(attr))
+    sys.modules[name] = module
+    return module
+
+
+def _offline_stubs() -> list[str]:
+    """Stand-ins for ``datasets`` and ``torch.utils.tensorboard`` where the packages are missing; returns
+    the names stubbed."""
+    stubbed = []
+    if _missing("datasets"):
+        _stub("datasets", "datasets", Dataset="class", IterableDataset="class", load_dataset="function",
+              interleave_datasets="function")
+        _stub("datasets.distributed", "datasets", split_dataset_by_node="function")
+        stubbed.append("datasets")
+    if _missing("tensorboard"):
+        _stub("torch.utils.tensorboard", "tensorboard", SummaryWriter="class")
+        stubbed.append("tensorboard")
+    return stubbed
+
+
 def _set_timeout_shim() -> None:
     """torchtitan 0.3.0 calls ``torch.distributed.set_timeout`` after the first step (``set_pg_timeouts``),
     which torch 2.13.0 does not have (AttributeError); torch's private ``_set_pg_timeout`` does the same."""
@@ -55,11 +99,33 @@ def _set_timeout_shim() -> None:
         dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
 
 
+def _fsdp_mesh_dims_shim() -> None:
+    """torchtitan 0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12) at import, and uses
+    it only under ``parallelism.spmd_backend="full_dtensor"``; on an older torch a stand-in that refuses to be
+    built lets it import (the configs here use the default backend)."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        class DataParallelMeshDims:  # noqa: N801 - torch's name
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("DataParallelMeshDims needs torch >= 2.12 (spmd_backend='full_dtensor'); "
+                                   f"this torch is {__import__('torch').__version__}")
+
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+
 def main(argv: list[str]) -> None:
     _set_timeout_shim()
+    _fsdp_mesh_dims_shim()
     if "--cpu" in argv:
         argv.remove("--cpu")
         _cpu_device()
+    if "--offline-stubs" in argv:
+        argv.remove("--offline-stubs")
+        stubbed = _offline_stubs()
+        if stubbed:
+            print(f"launch.py: offline stand-ins for {', '.join(stubbed)} (not installed; never called here)",
+                  flush=True)
     sys.path.insert(0, HERE)
     sys.argv = [sys.argv[0], *argv]
     from torchtitan.train import main as titan_main

@@ -2,13 +2,18 @@
 # One GPU, torchtitan's trainer (FSDP2 at world size 1), the d 2048 Llama-3-style model of comera_configs.py,
 # three variants (dense / fused loss / TT converter + fused loss), STEPS steps each, synthetic data, offline.
 # Writes $OUT/<variant>.log and $OUT/summary.json (tokens/s, peak memory, loss curve) and $OUT/loss.png.
-# Needs: pip install torchtitan==0.3.0 (its deps) and comera-compile in the same environment.
+# Needs torchtitan 0.3.0 and comera-compile in the same environment. Without a registry: the pure-Python wheels
+# torchtitan==0.3.0 torchdata tyro docstring_parser typeguard spmd_types==0.2.3 torch_checkpointing einops in a
+# folder, `pip install --no-index --no-deps --target SITE FOLDER/*.whl`, then SITE=... (prepended to PYTHONPATH);
+# datasets and tensorboard, which these configs never call, are stood in for when missing (launch.py --offline-stubs).
 set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-./out}; STEPS=${STEPS:-300}; mkdir -p "$OUT"
-for variant in dense fused comera; do
-  torchrun --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py \
+if [ -n "${SITE:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
+VARIANTS=${VARIANTS:-"dense fused comera"}
+for variant in $VARIANTS; do
+  python -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
     --module comera_configs --config "llama3_2048_${variant}" \
     --training.steps "$STEPS" --dump_folder "$OUT/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
 done
-python summarize.py "$OUT" dense fused comera
+python summarize.py "$OUT" $VARIANTS
