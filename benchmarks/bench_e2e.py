@@ -33,7 +33,9 @@ whatever the cost rule says (``cce_min_vocab=0``; e.g. ``dense-comera-cce``), ``
 ``tt_merges="opaque"`` (e.g. ``tt-opaque``, ``ttm-opaque``), ``-blocks`` pins btt sites to the blocks path
 (``tt_strategy="blocks"``, e.g. ``btt-opaque-blocks``), ``-autotune`` turns Inductor's first-call timing of
 pointwise kernels' configurations back on (``triton.autotune_pointwise``, which the backend turns off for
-graphs with tensor-train layers; e.g. ``tt-autotune``).
+graphs with tensor-train layers; e.g. ``tt-autotune``), ``-viainductor`` runs the same passes inside plain
+``torch.compile(model)`` through ``cc.use_with_inductor(options)`` instead of ``backend="comera"`` (e.g.
+``btt-viainductor``, to compare with ``btt``).
 
 Each variant runs in its own process: all of them build, compile and warm up concurrently; once every
 one is warm they take turns for the timed steps, so no timing overlaps another or a compile. Reported per variant: median step time
@@ -325,7 +327,12 @@ def run_variant(model_name: str, variant: str, args) -> dict:
             options["tt_merges"] = "opaque"
         if "blocks" in tags:  # btt sites on the blocks path whatever the planner's estimate
             options["tt_strategy"] = "blocks"
-        fn = torch.compile(model, backend="comera", options=options or None)
+        if "viainductor" in tags:  # the same passes inside plain torch.compile (Inductor's pre-grad pass)
+            options.pop("inner", None)
+            cc.use_with_inductor(options or None)
+            fn = torch.compile(model)
+        else:
+            fn = torch.compile(model, backend="comera", options=options or None)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [make(device, gen) for _ in range(4)]
     floor = step_floor(model, batches[0][0].numel(), batches[0][0].shape[-1])
@@ -513,10 +520,12 @@ def main(argv=None) -> list[dict]:
                     None)
         tags = set(v[len(base):].split("-")) - {""} if base else set()
         ranks = {t for t in tags if t[:1] == "r" and t[1:].isdigit() and int(t[1:]) > 0}
-        if base is None or tags - ranks - {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks", "autotune"} or (ranks and base.startswith("dense")):
+        known = {"cg", "nocg", "fp32", "cpp", "combo", "cce", "opaque", "blocks", "autotune", "viainductor"}
+        if base is None or tags - ranks - known or (ranks and base.startswith("dense")) or \
+                ("viainductor" in tags and base in ("dense-eager", "dense-inductor")):
             ap.error(f"unknown variant {v!r}: dense-eager, dense-inductor, dense-comera, tt, ttm or btt, "
-                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -autotune, -rN (a rank; not "
-                     "for dense)")
+                     "then any of the tags -cg, -nocg, -fp32, -cpp, -combo, -cce, -opaque, -blocks, -autotune, "
+                     "-viainductor (not for dense-eager / dense-inductor), -rN (a rank; not for dense)")
     if args.serial:
         results = [run_variant(m, v, args) for m, v in jobs]
     else:

@@ -10,10 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-./out}; STEPS=${STEPS:-300}; mkdir -p "$OUT"
 if [ -n "${SITE:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
-VARIANTS=${VARIANTS:-"dense fused comera"}
+VARIANTS=${VARIANTS:-"dense fused comera"}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
   python -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
     --module comera_configs --config "llama3_2048_${variant}" \
-    --training.steps "$STEPS" --dump_folder "$OUT/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
+    --training.steps "$STEPS" --dump_folder "$DUMP/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
 done
 python summarize.py "$OUT" $VARIANTS
