@@ -25,18 +25,16 @@ class TTConfig:
       modes on either side). With ``init="svd"`` and ``svd_tol`` it is the cap. Default ``None``: the
       format's own, 32 for ``"ttm"`` and ``"tt"`` (in the quality benchmark, a GPT at d 768 with its blocks
       tensorized, TT-matrix rank 32 beat the dense model of its size by 0.3 nats, rank 16 lost to it)
-      and 1 for ``"btt"`` (rank 1 beat rank 2 on time and loss at d 2048).
+      and 1 for ``"btt"`` (the fastest: at d 2048 rank 1 stepped at 0.70x the dense model's time, rank 2
+      at 0.84x).
     * ``fmt``: ``"tt"`` (input modes then output modes, CoMERA's linear format), ``"ttm"``
       (TT-matrix / MPO), ``"btt"`` (below) or ``"auto"`` (default), which picks per layer
       (:meth:`resolve`): ``"btt"`` at rank 1 for a Linear (or ``Conv1D``) layer whose in and out
-      features are both at least 2048, and ``"ttm"`` otherwise (embeddings, narrower layers), and
-      ``"ttm"`` for every layer when ``rank``, ``n_cores`` or ``modes`` is given or ``init="svd"`` (those
-      were chosen for TT-matrix bonds, or fit a pretrained weight). Measured on one H200 (a GPT, blocks
-      tensorized, each at its best learning rate): at d 2048 btt r1 stepped at 0.70x the dense model's
-      time and TT-matrix r32 at 0.97x, and btt r1 ended at a lower validation loss (2.353 against 2.575
-      over 31 M tokens); at d 768 the two stepped alike (15 / 16 ms) and ended within seed noise of each
-      other (2.584 / 2.614). Neither reached a narrower dense model's loss sooner: at d 2048 a dense
-      model of width 1024 got to btt r1's loss in about a third of its time. Measured on a GPT (d 768,
+      features are both at least 2048, ``"ttm"`` for every other layer (embeddings, narrower layers),
+      and ``"ttm"`` for every layer when ``rank``, ``n_cores`` or ``modes`` is given or ``init="svd"``
+      (those were chosen for TT-matrix bonds, or fit a pretrained weight). The rule follows the width
+      study (BENCHMARKS.md section 8): at d 2048 btt r1 stepped faster than TT-matrix r32 (0.70x against
+      0.97x dense) and ended lower; at d 768 the two tied. Measured on a GPT (d 768,
       BPE 16k) a TT-matrix learns better than ``"tt"`` at equal parameters
       (validation loss 4.0 % / 3.7 % better for the attention / MLP Linears); ``"tt"`` runs faster
       (its rank bottleneck makes two skinny GEMMs of a layer; a TT-matrix has none and runs with its
@@ -45,8 +43,8 @@ class TTConfig:
       size factors badly), ``W[(c, a), (b1, b2)] = sum_k L[k, c, b1, a] R[b1, b2, c, k]``; full-rank
       in general, its one rank bond caps at ``min(b2, a)``; ``modes=((b1, b2), (c, a))``. Its
       weight is formed by the marker op, then used as a dense weight (``2 r in out`` FLOPs), or its
-      two cores run on the tokens where that is cheaper. A btt layer trained best at a higher learning
-      rate than a TT-matrix one (9.6e-3 at d 2048, 32x the dense model's; see ``param_groups``).
+      two cores run on the tokens where that is cheaper. It wants a higher learning rate than a
+      TT-matrix layer (``param_groups``).
     * ``n_cores``: number of cores (TT: split between rows and columns by their sizes); default:
       modes near 10 (768 -> 3 modes, 30522 -> 4).
     * ``modes``: explicit ``(row_modes, col_modes)``, rows = in_features (Linear) or

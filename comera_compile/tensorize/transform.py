@@ -214,7 +214,9 @@ def _tt_spec(fqn: str, layout: _Layout, weight: torch.Tensor, cfg: TTConfig) -> 
     def error(msg: str) -> ValueError:
         return _layer_error(fqn, kind, weight.shape, msg)
 
-    fmt, rank, _ = cfg.resolve(kind, rows, cols)
+    fmt, rank, why = cfg.resolve(kind, rows, cols)
+    if why:
+        log.info("tensorize_: %s: %s", fqn, why)
     if cfg.modes is not None:
         row_modes, col_modes = cfg.modes
         auto = _auto_modes(fmt, rows, cols, cfg, error)
@@ -262,8 +264,6 @@ def _plan_layer(fqn: str, module: nn.Module, cfg: TTConfig, layout: _Layout | No
                            "layers (an embedding's rows are read, not multiplied); leave it out with filter_fn or "
                            "a config dict ({name: TTConfig(...)}, None to skip)")
     spec = _tt_spec(fqn, layout, weight, cfg)
-    if cfg.fmt == "auto":
-        log.info("tensorize_: %s: %s", fqn, cfg.resolve(layout.kind, layout.rows, layout.cols)[2])
     std = cfg.init_std
     if std is None and layout.kind == "Embedding":  # the model's own embedding scale
         std = float(weight.detach().float().std()) if weight.device.type != "meta" and weight.numel() > 1 else 1.0
