@@ -10,10 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-./out}; STEPS=${STEPS:-300}; mkdir -p "$OUT"
 if [ -n "${SITE:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
+PY=${PYTHON:-$(command -v python || command -v python3)}
+PREFIX=${PREFIX:-llama3_2048}  # llama3_tiny with LAUNCH_FLAGS=--cpu: the CPU smoke run of this script
 VARIANTS=${VARIANTS:-"dense fused comera"}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
-  python -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
-    --module comera_configs --config "llama3_2048_${variant}" \
+  "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
+    ${LAUNCH_FLAGS:-} --module comera_configs --config "${PREFIX}_${variant}" \
     --training.steps "$STEPS" --dump_folder "$DUMP/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
 done
-python summarize.py "$OUT" $VARIANTS
+"$PY" summarize.py "$OUT" $VARIANTS
