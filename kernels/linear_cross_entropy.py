@@ -67,16 +67,16 @@ from comera_compile.cce.planner import (
     decide_fused_loss,
     default_memory_budget,
     describe_logits,
+    forward_path,
     fused_loss_pays,
     logits_bytes,
     rates_for,
-    runtime_strategy,
+    recompute_path,
 )
 from comera_compile.cce.tuning import (
     CCEStats,
     CCETuning,
     cce_tuning,
-    current_tuning,
     default_filter_eps,
     record_cce_stats,
 )
@@ -352,13 +352,9 @@ def _sparse_may_run(o: LCEOptions, x: torch.Tensor) -> bool:
 
 
 def _forward_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
-    """Who forms the gradients of a forward that forms them on the Triton paths: "sparse" for a
-    "chunked" planned by "auto" when the observed kept fraction (or a probe) says so, else the
-    planned path."""
-    if o.strategy != "chunked" or not o.adaptive or not _sparse_may_run(o, x):
-        return o.strategy
-    return runtime_strategy("chunked", x.shape[0], x.shape[1], weight.shape[0], x.dtype,
-                            filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
+    """:func:`comera_compile.cce.planner.forward_path` for this call."""
+    return forward_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
+                        x.dtype, filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
 
 
 @_lce_op.register_fake
@@ -375,25 +371,9 @@ def _lce_fake(x, weight, target, bias, *options):
 
 
 def _recompute_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
-    """The Triton recompute path of a backward: the one asked for, or for "auto" (and "chunked",
-    when the forward did not form the gradient) the fused kernels for small D, sparse rounds when
-    filtering can skip tiles, static chunks otherwise. Sparse rounds sync the host: under
-    CUDA-graph capture, or when they cannot filter or must be deterministic, static runs instead.
-    A "sparse" or "static" planned by "auto" (``adaptive``) takes the one of the two that the
-    observed kept fraction (or a probe) picks."""
-    strategy = o.strategy
-    if strategy in ("auto", "chunked"):
-        if x.shape[1] <= current_tuning().fused_max_d:
-            return "fused"
-        strategy = "sparse"
-    if strategy not in ("sparse", "static"):
-        return strategy
-    if not _sparse_may_run(o, x):
-        return "static"
-    if o.adaptive:
-        return runtime_strategy(strategy, x.shape[0], x.shape[1], weight.shape[0], x.dtype,
-                                filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
-    return strategy
+    """:func:`comera_compile.cce.planner.recompute_path` for this call."""
+    return recompute_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
+                          x.dtype, filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
 
 
 @torch.library.custom_op("comera::linear_cross_entropy_backward", mutates_args=())

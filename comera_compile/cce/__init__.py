@@ -44,9 +44,11 @@ from comera_compile.cce.planner import (
     describe_logits,
     estimate_seconds,
     format_bytes,
+    forward_path,
     fused_loss_pays,
     logits_bytes,
     rates_for,
+    recompute_path,
     runtime_strategy,
 )
 from comera_compile.cce.tuning import (
@@ -66,9 +68,9 @@ __all__ = [
     "KeptFractionStore", "ShapeClass", "adaptive_plan", "cce_tuning", "choose_strategy", "chunk_plan",
     "current_kept_fraction_store", "current_tuning", "decide_fused_loss", "default_filter_eps",
     "default_kept_fraction_store", "default_memory_budget", "describe_logits", "estimate_seconds", "format_bytes",
-    "forward_bounds_pay", "fused_loss_pays", "kept_fractions", "logits_bytes", "observe_kept_fraction",
-    "observed_kept_fraction", "pinned_kept_fraction_store", "rates_for", "record", "record_cce_stats",
-    "reset_kept_fractions", "runtime_strategy", "use_kept_fraction_store",
+    "forward_bounds_pay", "forward_path", "fused_loss_pays", "kept_fractions", "logits_bytes", "observe_kept_fraction",
+    "observed_kept_fraction", "pinned_kept_fraction_store", "rates_for", "recompute_path", "record",
+    "record_cce_stats", "reset_kept_fractions", "runtime_strategy", "use_kept_fraction_store",
 ]
 
 

@@ -461,6 +461,43 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     return "sparse" if costs["sparse"] < costs[other] else other
 
 
+def forward_path(strategy: str, adaptive: bool, sparse_may_run: bool, n_tokens: int, hidden: int, vocab: int,
+                 dtype: torch.dtype, *, filter_eps: float, memory_budget: Optional[int] = None,
+                 rates: Any = None) -> str:
+    """Who forms the gradients of a forward that forms them on the Triton paths: "sparse" for a "chunked"
+    planned by "auto" (``adaptive``) when the observed kept fraction (or a probe) says so and sparse rounds
+    may run (``sparse_may_run``: they can filter, need not be deterministic, no CUDA graph is being
+    captured), else the planned ``strategy``. ``rates``: the Triton paths' (default ``rates_for(True)``)."""
+    if strategy != "chunked" or not adaptive or not sparse_may_run:
+        return strategy
+    return runtime_strategy("chunked", n_tokens, hidden, vocab, dtype, filter_eps=filter_eps,
+                            memory_budget=memory_budget, rates=rates if rates is not None else rates_for(True))
+
+
+def recompute_path(strategy: str, adaptive: bool, sparse_may_run: bool, n_tokens: int, hidden: int, vocab: int,
+                   dtype: torch.dtype, *, filter_eps: float, memory_budget: Optional[int] = None,
+                   rates: Any = None) -> str:
+    """The Triton recompute path of a backward: the one asked for, or for "auto" (and "chunked", when the
+    forward did not form the gradient) the fused kernels for small D (``CCETuning.fused_max_d``), sparse
+    rounds when filtering can skip tiles, static chunks otherwise. Sparse rounds sync the host: where they
+    may not run (``sparse_may_run`` false: under CUDA-graph capture, or when they cannot filter or must be
+    deterministic) static runs instead. A "sparse" or "static" planned by "auto" (``adaptive``) takes the
+    one of the two that the observed kept fraction (or a probe) picks (:func:`runtime_strategy`, at ``rates``:
+    default ``rates_for(True)``)."""
+    if strategy in ("auto", "chunked"):
+        if hidden <= current_tuning().fused_max_d:
+            return "fused"
+        strategy = "sparse"
+    if strategy not in ("sparse", "static"):
+        return strategy
+    if not sparse_may_run:
+        return "static"
+    if adaptive:
+        return runtime_strategy(strategy, n_tokens, hidden, vocab, dtype, filter_eps=filter_eps,
+                                memory_budget=memory_budget, rates=rates if rates is not None else rates_for(True))
+    return strategy
+
+
 def logits_bytes(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
     """The memory the unfused loss holds for the logits, which the fused loss avoids: ``N x V``
     entries of the logits' dtype. In training Inductor's forward saves them for the backward, which

@@ -479,3 +479,25 @@ def test_the_cost_model_prices_the_measured_sparse_path(shape, kept, skipped, bo
     assert without["sparse"] * 1e3 == pytest.approx(unbounded_ms, rel=0.1)
     faster = "sparse" if bounded_ms < chunked_ms else "chunked"
     assert min(("sparse", "chunked"), key=with_bounds.get) == faster
+
+
+def test_the_run_time_path_choices_are_pure_planner_functions():
+    """forward_path / recompute_path (comera_compile.cce): the planned path where sparse rounds may not run or
+    the plan is pinned; fused for a small D; the observation (here none yet: a sparse probe) only for "auto"
+    plans. They read shapes and flags, no tensor."""
+    from comera_compile.cce import KeptFractionStore, forward_path, recompute_path, use_kept_fraction_store
+
+    big = (4096, 1024, 32000, torch.bfloat16)
+    kw = dict(filter_eps=2.0 ** -12, memory_budget=256 << 20)
+    with use_kept_fraction_store(KeptFractionStore()):  # nothing observed
+        assert forward_path("chunked", False, True, *big, **kw) == "chunked"  # pinned by the user
+        assert forward_path("chunked", True, False, *big, **kw) == "chunked"  # e.g. under CUDA-graph capture
+        assert forward_path("static", True, True, *big, **kw) == "static"
+        assert forward_path("chunked", True, True, *big, **kw) == "sparse"  # no observation yet: a probe
+        assert recompute_path("auto", False, True, 4096, 32, 32000, torch.bfloat16, **kw) == "fused"
+        assert recompute_path("auto", False, False, *big, **kw) == "static"
+        assert recompute_path("auto", False, True, *big, **kw) == "sparse"
+        assert recompute_path("sparse", False, False, *big, **kw) == "static"
+        assert recompute_path("fused", True, True, *big, **kw) == "fused"
+        assert recompute_path("static", True, True, *big, **kw) == "sparse"  # adaptive: the probe
+        assert recompute_path("static", False, True, *big, **kw) == "static"
