@@ -230,8 +230,8 @@ def _stacked_layout(args: tuple, cores: tuple[tuple[int, ...], torch.dtype],
                     gates: tuple[tuple[int, ...], torch.dtype]) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]:
     """(shape, stride, dtype) of each tensor :func:`_group_stacked` returns for stacked storages of
     these (shape, dtype) and merge arguments (:func:`_merge_args`, lists as tuples), computed once on the meta
-    device with every dispatch mode off. Fake propagation (the pass's, AOTAutograd's, Inductor's) then costs one allocation per output instead
-    of running the merges' ~50 ops under a fake mode each time."""
+    device with every dispatch mode off. Fake propagation (the pass's, AOTAutograd's, Inductor's) then costs
+    one allocation per output instead of running the merges' ~50 ops under a fake mode each time."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     spec, cut, output, dtype = _read_args(*args)
