@@ -116,3 +116,12 @@ def test_bench_btt_smoke_checks_each_layer_against_float64():
     assert [(r["layer"], r["d_outs"]) for r in rows] == [("qkv", [64] * 3), ("o", [64]), ("gate_up", [96] * 2),
                                                          ("down", [64])]
     assert all(max(r["err_y"], r["err_dx"], r["err_cores"]) < 1e-5 for r in rows)
+
+
+def test_the_viainductor_tag_is_refused_where_there_are_no_passes_to_run(capsys):
+    """``-viainductor`` (the passes inside plain torch.compile through cc.use_with_inductor) applies to the
+    variants that run the passes; on dense-eager / dense-inductor it names the valid tags and exits."""
+    for variant in ("dense-inductor-viainductor", "dense-eager-viainductor", "btt-viainductor-bogus"):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", "--model", "lm-d1024", "--variants", variant])
+        assert "-viainductor (not for dense-eager / dense-inductor)" in capsys.readouterr().err
