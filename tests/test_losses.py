@@ -47,6 +47,16 @@ def _labels(shape, seed: int, ignored: float = 0.25) -> torch.Tensor:
     return y
 
 
+def _assert_matches_reference(model: nn.Module, batches, loss: torch.Tensor) -> None:
+    """``loss`` and the gradients ``model`` holds equal :func:`_reference_loss`'s (float64 eager) and its
+    gradients."""
+    ref, ref_loss = _reference_loss(model, batches)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def _reference_loss(model: nn.Module, batches) -> torch.Tensor:
     """float64 eager: ``F.cross_entropy(F.linear(h, W), y)`` over every valid token of ``batches``."""
     ref = copy.deepcopy(model).double()
@@ -64,11 +74,7 @@ def test_loss_and_gradients_match_float64_eager_with_ignore_index():
     loss, metrics = loss_fn(model(idx), y, valid)
     loss.backward()
     assert metrics == {} and loss.dtype == torch.float32 and loss.dim() == 0
-    ref, ref_loss = _reference_loss(model, [(idx, y)])
-    ref_loss.backward()
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_matches_reference(model, [(idx, y)], loss)
 
 
 def test_without_global_valid_tokens_the_loss_is_the_sum_as_torchtitan_returns_it():
@@ -99,11 +105,7 @@ def test_gradient_accumulation_equals_one_batch_of_every_microbatch():
         loss, _ = loss_fn(model(idx), lab, global_valid)
         loss.backward()
         total = total + loss.detach()
-    ref, ref_loss = _reference_loss(model, batches)
-    ref_loss.backward()
-    torch.testing.assert_close(total.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_matches_reference(model, batches, total)
 
 
 def test_a_microbatch_with_every_label_ignored_adds_nothing():
