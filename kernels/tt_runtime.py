@@ -463,9 +463,16 @@ def _merge_args(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: to
             output, dtype)
 
 
-def _read_args(fmt: str, row_modes, col_modes, ranks, rows: int, cols: int, transpose: bool, split: int, left: str,
-               right: str, output: str, dtype: torch.dtype) -> tuple[TTSpec, Cut, str, torch.dtype]:
+def _read_args(*args) -> tuple[TTSpec, Cut, str, torch.dtype]:
+    """:func:`_merge_args` read back (once per distinct arguments: the op runs it at every call)."""
+    return _read_hashable(_hashable(args))
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_hashable(args: tuple) -> tuple[TTSpec, Cut, str, torch.dtype]:
     import ast
+
+    fmt, row_modes, col_modes, ranks, rows, cols, transpose, split, left, right, output, dtype = args
 
     def bracket(b):
         return b if isinstance(b, int) else tuple(bracket(x) for x in b)
