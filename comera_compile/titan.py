@@ -1,7 +1,7 @@
 """torchtitan integration (written against torchtitan 0.3.0): a tensor-train model converter and the
 fused LM-head loss, for torchtitan's own trainer.
 
-Importing this module needs torchtitan (``pip install torchtitan``); nothing else in the package
+Importing this module needs torchtitan (``pip install -e ".[titan]"``); nothing else in the package
 imports it. torchtitan 0.3.0 configures a job with Python config functions (``--module M --config
 F``, each returning a ``Trainer.Config``) rather than TOML files, and its model converters
 (``ModelConfigConverter``: Float8, LoRA) rewrite the model's *config tree* before the model is built.
@@ -24,7 +24,10 @@ F``, each returning a ``Trainer.Config``) rather than TOML files, and its model 
   TT layer's parametrization before the model's ``parallelize_fn`` shards the blocks, so the cores and
   gates (a few KB per layer) are ``DTensor``s with ``Replicate()`` placement whose gradients are
   all-reduced, while the rest of each block is sharded. torchtitan's gradient clipping and optimizer
-  see one mesh. (``TTConverter.Config.tt_params="shard"`` leaves them to FSDP's sharding.)
+  see one mesh. (``TTConverter.Config.tt_params="shard"`` leaves them to FSDP's sharding.) With more
+  than one rank, torchtitan's ``parallelism.spmd_backend`` must be ``"partial_dtensor"``: its
+  ``"spmd_types"`` (the default) and ``"full_dtensor"`` hand FSDP2 and the model DTensors on the full
+  mesh, which the TT ops do not take; :func:`wrap_parallelize` refuses them, naming the option.
 * **learning rates**: :func:`param_group_configs` gives torchtitan's optimizer
   (``OptimizersContainer.Config.param_groups``, regexes over parameter names) the groups of
   :func:`comera_compile.param_groups`: TT cores, TT gates, decay, no decay.
@@ -296,24 +299,29 @@ def replicate_tt_params(model: nn.Module, mesh, dp_mesh_dims=None) -> int:
     return len(layers)
 
 
-def _replicate_mesh(parallel_dims) -> tuple[Any, Any]:
-    """The mesh (and mesh dims) that torchtitan's FSDP shards the blocks over, for ``replicate``: the
-    TT parameters then live on the same mesh as the sharded ones (one mesh for clipping)."""
-    hsdp = NotImplementedError("TTConverter(tt_params='replicate') with HSDP (data_parallel_replicate_degree > 1) "
-                               "is not supported; use tt_params='shard'")
-    if parallel_dims.spmd_backend in ("full_dtensor", "spmd_types"):
-        from torch.distributed.fsdp import DataParallelMeshDims
+def _check_spmd_backend(parallel_dims) -> None:
+    """torchtitan's ``full_dtensor`` backend, and its ``spmd_types`` backend beyond one rank, hand FSDP2 every parameter and activation as a ``DTensor`` on the full mesh; the tensor-train
+    ops run on plain tensors. Refused here, before anything is sharded, naming the setting that works."""
+    backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
+    if backend == "full_dtensor" or (backend == "spmd_types" and parallel_dims.world_size > 1):
+        raise NotImplementedError(
+            f"TTConverter: parallelism.spmd_backend={backend!r} (world size {parallel_dims.world_size}) gives every "
+            "parameter and activation to FSDP2 as a DTensor on the full mesh, which the tensor-train ops do not "
+            "take; use parallelism.spmd_backend='partial_dtensor' (--parallelism.spmd_backend partial_dtensor), "
+            "FSDP2 over the data-parallel mesh")
+
+
+def _replicate_mesh(parallel_dims) -> Any:
+    """The mesh that torchtitan's FSDP shards the blocks over, for ``replicate``: the TT parameters
+    then live on the same mesh as the sharded ones (one mesh for clipping)."""
+    if parallel_dims.dp_replicate_enabled:
+        raise NotImplementedError("TTConverter(tt_params='replicate') with HSDP (data_parallel_replicate_degree > 1) "
+                                  "is not supported; use tt_params='shard'")
+    if getattr(parallel_dims, "spmd_backend", "partial_dtensor") == "spmd_types":  # one rank (_check_spmd_backend)
         from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
 
-        mesh, dims = resolve_fsdp_mesh(parallel_dims)
-        if dims is None:
-            return mesh, None
-        if dims.replicate is not None:
-            raise hsdp
-        return mesh, DataParallelMeshDims(replicate=dims.shard)
-    if parallel_dims.dp_replicate_enabled:
-        raise hsdp
-    return parallel_dims.get_mesh(["fsdp"]), None
+        return resolve_fsdp_mesh(parallel_dims)[0]
+    return parallel_dims.get_mesh(["fsdp"])
 
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
@@ -324,11 +332,14 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
         return parallelize_fn
 
     def parallelize(model: nn.Module, *, parallel_dims, **kwargs: Any) -> nn.Module:
-        if getattr(model, "_comera_tt_params", None) == "replicate":
+        tt_params = getattr(model, "_comera_tt_params", None)
+        if tt_params is not None:
             if parallel_dims.tp_enabled or parallel_dims.cp_enabled or parallel_dims.pp_enabled:
                 raise NotImplementedError("TTConverter: tensor-train layers with tensor, context or pipeline "
                                           "parallelism are not supported; use data parallel (FSDP2) only")
-            replicate_tt_params(model, *_replicate_mesh(parallel_dims))
+            _check_spmd_backend(parallel_dims)
+        if tt_params == "replicate":
+            replicate_tt_params(model, _replicate_mesh(parallel_dims))
         return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
 
     parallelize._comera_wrapped = True

@@ -2,7 +2,7 @@
 256, PyTorch SDPA attention: torchtitan's FlexAttention has no backward on the CPU): the TT converter,
 the fused loss in torchtitan's loss slot, the learning-rate groups, the checkpoint layout file, rank
 adaptation's hooks, the example's configs, and FSDP2 (torchtitan's own ``apply_fsdp_to_decoder``) on 2
-CPU processes over gloo. Skipped without torchtitan (CI does not install it)."""
+CPU processes over gloo. Skipped without torchtitan (CI runs it in a venv with the `titan` extra)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ class NullTokenizer(BaseTokenizer):
 
 class _Tokens(IterableDataset):
     """An endless stream of ([seq_len] input, [seq_len] labels): x[t] = rule[x[t-2], x[t-1]] (a fixed
-    random table), a uniform random token instead 10 % of the time; one stream per data-parallel rank."""
+    random table), a uniform random token instead 10 % of the time; one stream per data-parallel rank,
+    resumable (its state is the number of samples drawn)."""
 
     def __init__(self, vocab: int, seq_len: int, seed: int, rank: int):
         self.vocab, self.seq_len, self.seed, self.rank = vocab, seq_len, seed, rank
@@ -75,8 +76,8 @@ class _Tokens(IterableDataset):
 
     def __iter__(self):
         rule = torch.randint(0, self.vocab, (self.vocab, self.vocab), generator=torch.Generator().manual_seed(self.seed))
-        g = torch.Generator().manual_seed(self.seed * 1000 + self.rank + 1)
-        while True:
+        while True:  # sample i from its own seed: a resumed run (load_state_dict) continues the same stream
+            g = torch.Generator().manual_seed((self.seed * 1000 + self.rank + 1) * 1_000_003 + self.step)
             x = torch.empty(self.seq_len + 1, dtype=torch.long)
             x[:2] = torch.randint(0, self.vocab, (2,), generator=g)
             noise = torch.rand(self.seq_len + 1, generator=g) < 0.1

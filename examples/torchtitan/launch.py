@@ -6,7 +6,9 @@
 ``--cpu``: run torchtitan 0.3.0 on the CPU (gloo) for a smoke test. torchtitan picks its device once at
 import (``torch._utils._get_available_device_type() or "cuda"``) and reads memory statistics from the
 device module, which ``torch.cpu`` lacks; this flag makes that device "cpu" and gives ``torch.cpu``
-the few statistics functions torchtitan calls (zeros). Nothing changes for a GPU run.
+the few statistics functions torchtitan calls (zeros); and FSDP2 reduces gradients with plain sums
+(gloo has no ``PREMUL_SUM``, which FSDP2 uses once torchtitan sets the divide factor to 1). Nothing
+changes for a GPU run.
 
 ``--offline-stubs``: where ``datasets`` or ``tensorboard`` is not installed (a GPU machine without a
 registry, where their wheels and pyarrow/pandas would not fit), stand-ins named after them let torchtitan
@@ -47,6 +49,24 @@ def _cpu_device() -> None:
         if not hasattr(cpu, name) or name in ("current_device", "get_device_properties", "memory_stats",
                                               "device_count"):
             setattr(cpu, name, fn)
+
+
+def _gloo_sum_reductions() -> None:
+    """torchtitan turns FSDP2's gradient division off (``set_gradient_divide_factor(1.0)``), after which
+    FSDP2 reduces with ``ReduceOp.PREMUL_SUM``, which gloo refuses at world size > 1; FSDP2's public
+    ``set_force_sum_reduction_for_comms(True)`` makes the same reduction a plain sum."""
+    import torchtitan.distributed.fsdp as titan_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    divide_off = titan_fsdp.disable_fsdp_gradient_division
+
+    def disable_fsdp_gradient_division(model):
+        divide_off(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    titan_fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
 
 
 def _missing(package: str) -> bool:
@@ -117,7 +137,8 @@ def _fsdp_mesh_dims_shim() -> None:
 def main(argv: list[str]) -> None:
     _set_timeout_shim()
     _fsdp_mesh_dims_shim()
-    if "--cpu" in argv:
+    cpu = "--cpu" in argv
+    if cpu:
         argv.remove("--cpu")
         _cpu_device()
     if "--offline-stubs" in argv:
@@ -128,6 +149,8 @@ def main(argv: list[str]) -> None:
                   flush=True)
     sys.path.insert(0, HERE)
     sys.argv = [sys.argv[0], *argv]
+    if cpu:
+        _gloo_sum_reductions()
     from torchtitan.train import main as titan_main
 
     titan_main()
