@@ -24,7 +24,11 @@ F``, each returning a ``Trainer.Config``) rather than TOML files, and its model 
   TT layer's parametrization before the model's ``parallelize_fn`` shards the blocks, so the cores and
   gates (a few KB per layer) are ``DTensor``s with ``Replicate()`` placement whose gradients are
   all-reduced, while the rest of each block is sharded. torchtitan's gradient clipping and optimizer
-  see one mesh. (``TTConverter.Config.tt_params="shard"`` leaves them to FSDP's sharding.) With more
+  see one mesh. (``TTConverter.Config.tt_params="shard"`` leaves them to FSDP's sharding, as "auto",
+  the default, does where torchtitan compiles the blocks: replicate's hooks there would sit inside the
+  compiled block.) Where torchtitan compiles the blocks (``--compile.enable``) the comera passes run
+  inside that Inductor compile (:func:`comera_compile.use_with_inductor`), so the TT layers run as the
+  lowered TT ops; eager blocks form each TT layer's dense weight every forward. With more
   than one rank, torchtitan's ``parallelism.spmd_backend`` must be ``"partial_dtensor"``: its
   ``"spmd_types"`` (the default) and ``"full_dtensor"`` hand FSDP2 and the model DTensors on the full
   mesh, which the TT ops do not take; :func:`wrap_parallelize` refuses them, naming the option.
@@ -67,6 +71,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
 from comera_compile import tt
+from comera_compile._logging import logger
 from comera_compile.losses import IGNORE_INDEX, FusedLinearCrossEntropyLoss
 from comera_compile.tensorize import TTConfig, iter_tt_layers, require_unsharded, tensorize_
 from comera_compile.tensorize.checkpoint import TT_FILE, read_layout, save_with_layout, tt_layout
@@ -209,19 +214,29 @@ class TTConverter(ModelConfigConverter):
         target_modules: Optional[list[str]] = None
         """Last FQN segments of the Linears to tensorize (None: every Linear under ``layers.``)."""
 
-        tt_params: str = "replicate"
+        tt_params: str = "auto"
         """"replicate": TT cores and gates replicated under FSDP2 (``wrap_parallelize``); "shard": sharded
-        with the rest of their block."""
+        with the rest of their block; "auto": "replicate", or "shard" where torchtitan compiles the
+        blocks (replicate's FSDP2 hooks on each TT parametrization would sit inside the compiled block,
+        which torchtitan compiles with ``fullgraph=True``, and Dynamo cannot trace them)."""
 
         seed: int = 0
         """Seed of the cores' random init (the same on every rank)."""
+
+        inductor_passes: bool = True
+        """When torchtitan compiles the blocks (``compile.enable``, "model" in ``compile.components``,
+        backend "inductor"), run the comera passes inside that compile (``cc.use_with_inductor``, CUDA
+        graphs off: FSDP2 swaps the parameters' storage every step), so that the TT layers run as the
+        lowered TT ops (btt: block GEMMs, no dense weight). Eager blocks form each TT layer's dense
+        weight every forward (logged at WARNING)."""
 
         def __post_init__(self) -> None:
             if self.init == "svd":
                 raise ValueError("TTConverter: init='svd' needs real weights; torchtitan builds the model on the "
                                  "meta device. Use init='random' or 'balanced'")
-            if self.tt_params not in ("replicate", "shard"):
-                raise ValueError(f"TTConverter: tt_params must be 'replicate' or 'shard', got {self.tt_params!r}")
+            if self.tt_params not in ("auto", "replicate", "shard"):
+                raise ValueError(f"TTConverter: tt_params must be 'auto', 'replicate' or 'shard', got "
+                                 f"{self.tt_params!r}")
             self.tt_config()  # every TTConfig field checked here, before any model is built
 
         def tt_config(self) -> TTConfig:
@@ -244,6 +259,7 @@ class TTConverter(ModelConfigConverter):
             model._comera_tt_std = converter.init_std
             model._comera_tt_balanced = converter.init == "balanced"
             model._comera_tt_params = converter.tt_params
+            model._comera_inductor_passes = converter.inductor_passes
             return model
 
         new_cls = type(f"TT{base.__name__}", (base,), {"build": build, "_comera_tt_converter": converter})
@@ -324,10 +340,34 @@ def _replicate_mesh(parallel_dims) -> Any:
     return parallel_dims.get_mesh(["fsdp"])
 
 
+def _compiles_blocks(compile_config) -> bool:
+    return compile_config is not None and compile_config.enable and "model" in compile_config.components
+
+
+def _inductor_passes(model: nn.Module, compile_config) -> None:
+    """The comera passes inside torchtitan's per-block Inductor compile, or a warning naming why the TT
+    layers run eagerly."""
+    if not _compiles_blocks(compile_config):
+        logger.warning("TTConverter: torchtitan does not compile the blocks (compile.enable with 'model' in "
+                       "compile.components), so every TT layer forms its dense weight each forward; pass "
+                       "--compile.enable for the lowered TT ops")
+        return
+    if compile_config.backend != "inductor":
+        logger.warning("TTConverter: compile.backend=%r: the comera passes run inside Inductor only "
+                       "(compile.backend='inductor'); the TT layers form their dense weight each forward",
+                       compile_config.backend)
+        return
+    from comera_compile.inductor import use_with_inductor
+
+    model._comera_inductor_handle = use_with_inductor({"cudagraphs": False})
+
+
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
-    """``parallelize_fn`` (a ``ModelSpec``'s) that first replicates the TT parameters of a model built
-    by :class:`TTConverter` with ``tt_params="replicate"`` (nothing for other models). torchtitan
-    applies FSDP2 whatever the number of GPUs, so this always runs for such a model."""
+    """``parallelize_fn`` (a ``ModelSpec``'s) that, for a model built by :class:`TTConverter` (nothing
+    for other models), first checks the parallelism it supports, replicates the TT parameters
+    (``tt_params``), and installs the comera passes in torchtitan's Inductor compile of the blocks
+    (``inductor_passes``). torchtitan applies FSDP2 whatever the number of GPUs, so this always runs
+    for such a model."""
     if getattr(parallelize_fn, "_comera_wrapped", False):
         return parallelize_fn
 
@@ -338,8 +378,20 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
                 raise NotImplementedError("TTConverter: tensor-train layers with tensor, context or pipeline "
                                           "parallelism are not supported; use data parallel (FSDP2) only")
             _check_spmd_backend(parallel_dims)
-        if tt_params == "replicate":
-            replicate_tt_params(model, _replicate_mesh(parallel_dims))
+            compile_config = kwargs.get("compile_config")
+            compiled = _compiles_blocks(compile_config)
+            if tt_params == "auto":
+                tt_params = "shard" if compiled else "replicate"
+                logger.info("TTConverter(tt_params='auto'): the TT cores and gates are %s", "sharded with their "
+                            "block (torchtitan compiles the blocks)" if compiled else "replicated")
+            elif tt_params == "replicate" and compiled:
+                raise ValueError("TTConverter(tt_params='replicate') with compile.enable: FSDP2's replicate hooks on "
+                                 "each TT parametrization sit inside the block torchtitan compiles with "
+                                 "fullgraph=True, which Dynamo cannot trace; use tt_params='auto' or 'shard'")
+            if tt_params == "replicate":
+                replicate_tt_params(model, _replicate_mesh(parallel_dims))
+            if getattr(model, "_comera_inductor_passes", False):
+                _inductor_passes(model, compile_config)
         return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
 
     parallelize._comera_wrapped = True

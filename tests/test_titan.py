@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "torch
 import comera_configs  # noqa: E402
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer  # noqa: E402
+from torchtitan.config import CompileConfig  # noqa: E402
 
 import comera_compile as cc  # noqa: E402
 from comera_compile import titan  # noqa: E402
@@ -108,6 +110,64 @@ def test_the_fused_loss_in_torchtitans_slot_equals_its_chunked_loss(tt):
     assert grads_a.keys() == grads_b.keys() and "lm_head.weight" in grads_a
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _dims(backend: str = "partial_dtensor", world_size: int = 1):
+    def get_mesh(names):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", (1,), mesh_dim_names=tuple(names))
+
+    return SimpleNamespace(tp_enabled=False, cp_enabled=False, pp_enabled=False, dp_replicate_enabled=False,
+                           spmd_backend=backend, world_size=world_size, get_mesh=get_mesh)
+
+
+@pytest.fixture
+def one_rank_group():
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tt_params", ["auto", "replicate", "shard"])
+def test_wrap_parallelize_places_the_tt_params_by_whether_torchtitan_compiles_the_blocks(tt_params, one_rank_group):
+    """Compiled blocks (fullgraph) cannot hold replicate's FSDP2 hooks: "auto" shards the TT parameters
+    there (leaves them to the blocks' fully_shard), "replicate" is refused before anything is applied;
+    eager blocks get them replicated ("auto")."""
+    from torch.distributed.tensor import DTensor
+
+    for compiled in (True, False):
+        model = build(titan.TTConverter.Config(rank=4, min_size=0, tt_params=tt_params, inductor_passes=False))
+        seen = []
+        parallelize = titan.wrap_parallelize(lambda m, **kw: seen.append(m) or m)
+        cores = lambda: [layer.param.core_flat for layer in cc.iter_tt_layers(model)]  # noqa: E731
+        if compiled and tt_params == "replicate":
+            with pytest.raises(ValueError, match="tt_params='auto' or 'shard'"):
+                parallelize(model, parallel_dims=_dims(), compile_config=CompileConfig(enable=True))
+            assert not seen and not any(isinstance(p, DTensor) for p in cores())
+            continue
+        parallelize(model, parallel_dims=_dims(), compile_config=CompileConfig(enable=compiled))
+        assert seen == [model]
+        replicated = tt_params == "replicate" or (tt_params == "auto" and not compiled)
+        assert all(isinstance(p, DTensor) == replicated for p in cores()), (tt_params, compiled)
+
+
+@pytest.mark.parametrize("backend,world_size", [("full_dtensor", 1), ("full_dtensor", 2), ("spmd_types", 2)])
+def test_wrap_parallelize_refuses_full_mesh_dtensor_backends(backend, world_size):
+    model = build(titan.TTConverter.Config(rank=4, min_size=0, inductor_passes=False))
+    parallelize = titan.wrap_parallelize(lambda m, **kw: pytest.fail("parallelize_fn ran"))
+    with pytest.raises(NotImplementedError, match="spmd_backend='partial_dtensor'"):
+        parallelize(model, parallel_dims=_dims(backend, world_size), compile_config=CompileConfig())
+
+
+def test_converter_config_refuses_an_unknown_tt_params():
+    with pytest.raises(ValueError, match="'auto', 'replicate' or 'shard'"):
+        titan.TTConverter.Config(tt_params="mirror")
 
 
 def test_param_group_configs_give_torchtitans_optimizer_cc_param_groups():

@@ -5,6 +5,8 @@ mesh (``--parallelism.spmd_backend partial_dtensor``), torchtitan's seeded init 
 * the fused loss against torchtitan's own chunked loss, step by step (the same model and data);
 * the TT converter with checkpoints: ``comera_tt.json`` beside every step folder, and a run resumed
   from step 2 that repeats the uninterrupted run's steps 3 and 4;
+* the TT layers lowered by the comera passes inside torchtitan's per-block Inductor compile, the
+  losses those of the eager blocks;
 * the SPMD backends that hand FSDP2 DTensors on the full mesh are refused, naming the one that works.
 
 Skipped without torchtitan (``pip install -e ".[titan]"``)."""
@@ -43,7 +45,7 @@ def _port() -> int:
 def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "partial_dtensor"):
     """Run torchtitan's trainer on 2 CPU processes; returns (return code, output, {step: (loss, grad norm)})."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "COMERA_LOG": "info"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
            "launch.py", "--offline-stubs", "--cpu", "--module", "comera_configs", "--config", config,
            "--training.steps", str(steps), "--dump_folder", str(dump), "--debug.seed", "0",
@@ -84,6 +86,21 @@ def test_tt_converter_checkpoints_and_resumes_at_world_size_2(tmp_path):
     for step in (3, 4):
         assert resumed[step][0] == pytest.approx(whole[step][0], abs=2e-5), step
         assert resumed[step][1] == pytest.approx(whole[step][1], abs=2e-4), step
+
+
+def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
+    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager")
+    assert rc == 0, out[-3000:]
+    assert "TT layer forms its dense weight each forward" in out and "rewrite(s)" not in out
+    rc, out, compiled = train("llama3_tiny_comera", 3, tmp_path / "compiled", "--compile.enable")
+    assert rc == 0, out[-3000:]
+    # each of the 2 blocks: its 5 Linears lowered by the comera passes inside Inductor (both ranks log it)
+    assert len(re.findall(r"graph \d+: 5 rewrite\(s\), 0 candidate\(s\) left alone", out)) >= 2, out[-3000:]
+    assert "sharded with their block" in out  # tt_params="auto": replicate's hooks cannot sit in a fullgraph compile
+    assert sorted(compiled) == sorted(eager) == [1, 2, 3]
+    for step in eager:
+        assert compiled[step][0] == pytest.approx(eager[step][0], abs=1e-4), step
+        assert compiled[step][1] == pytest.approx(eager[step][1], abs=1e-3), step
 
 
 @pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])

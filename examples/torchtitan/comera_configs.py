@@ -31,7 +31,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.components.tokenizer import BaseTokenizer
-from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -130,7 +130,7 @@ def _model(dim: int, n_layers: int, n_heads: int, n_kv_heads: int | None, vocab:
 
 
 def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int, steps: int, lr: float,
-             dtype: str, log_freq: int, ac: bool) -> Trainer.Config:
+             dtype: str, log_freq: int, ac: bool, compile: bool) -> Trainer.Config:
     spec = ModelSpec(name="llama3", flavor="comera_demo", model=model, parallelize_fn=parallelize_llama,
                      pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
     config = Trainer.Config(
@@ -148,6 +148,7 @@ def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int,
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=SelectiveAC.Config() if ac else None,
+        compile=CompileConfig(enable=compile),  # blocks and loss; TT layers lowered inside it (TTConverter)
     )
     return config
 
@@ -158,7 +159,8 @@ def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int,
 
 D2048 = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=32768, max_seq_len=2048, attn_backend="flex",
              ffn_multiple=1024)
-TRAIN_2048 = dict(vocab=32768, seq_len=2048, batch=4, steps=300, dtype="bfloat16", log_freq=5, ac=True)
+TRAIN_2048 = dict(vocab=32768, seq_len=2048, batch=4, steps=300, dtype="bfloat16", log_freq=5, ac=True,
+                  compile=True)
 TT_2048 = titan.TTConverter.Config(fmt="btt", min_size=0)  # rank 1: the d 2048 width study's winning format
 
 
@@ -181,7 +183,8 @@ def llama3_2048_comera() -> Trainer.Config:
 
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=None, vocab=256, max_seq_len=256, attn_backend="sdpa",
             ffn_multiple=64)
-TRAIN_TINY = dict(vocab=256, seq_len=32, batch=4, steps=2, dtype="float32", log_freq=1, ac=False)
+TRAIN_TINY = dict(vocab=256, seq_len=32, batch=4, steps=2, dtype="float32", log_freq=1, ac=False,
+                  compile=False)  # --compile.enable compiles it too (slow on the CPU)
 TT_TINY = titan.TTConverter.Config(rank=4, min_size=0)
 
 
