@@ -316,8 +316,9 @@ def replicate_tt_params(model: nn.Module, mesh, dp_mesh_dims=None) -> int:
 
 
 def _check_spmd_backend(parallel_dims) -> None:
-    """torchtitan's ``full_dtensor`` backend, and its ``spmd_types`` backend beyond one rank, hand FSDP2 every parameter and activation as a ``DTensor`` on the full mesh; the tensor-train
-    ops run on plain tensors. Refused here, before anything is sharded, naming the setting that works."""
+    """torchtitan's ``full_dtensor`` backend, and its ``spmd_types`` backend beyond one rank, hand FSDP2
+    every parameter and activation as a ``DTensor`` on the full mesh; the tensor-train ops run on plain
+    tensors. Refused here, before anything is sharded, naming the setting that works."""
     backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
     if backend == "full_dtensor" or (backend == "spmd_types" and parallel_dims.world_size > 1):
         raise NotImplementedError(
