@@ -52,3 +52,20 @@ def test_the_fsdp_stand_in_is_only_added_where_torch_lacks_it(monkeypatch):
         with pytest.raises(RuntimeError, match="needs torch >= 2.12"):
             fsdp.DataParallelMeshDims(shard="x")
         monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+
+
+def test_the_demo_summary_reads_steps_and_rewrites(tmp_path):
+    spec = importlib.util.spec_from_file_location("titan_summarize", ROOT / "examples" / "torchtitan" / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    log = tmp_path / "comera.log"
+    step = ("[titan] 2026-12-04 23:15:53,6{i} - root - INFO - step: {i:2d}  loss: {loss:8.5f}  grad_norm:  0.5668  "
+            "memory: {mem:5.2f}GiB(1.00%)  tps: {tps:,}  tflops: 0.00  mfu: 0.00%")
+    lines = ["[titan] 2026-12-04 23:15:53,451 - comera_compile - INFO - graph 0: 5 rewrite(s), 0 candidate(s) left alone"]
+    lines += [step.format(i=i, loss=6.0 - 0.1 * i, mem=10.0 + i, tps=1000 * i) for i in range(1, 13)]
+    log.write_text("\n".join(lines) + "\n")
+    summary = summarize.parse(log)
+    assert summary["completed"] == 12 and summary["final_loss"] == pytest.approx(4.8)
+    assert summary["tokens_per_s"] == pytest.approx((11000 + 12000) / 2)  # steps past 10 only
+    assert summary["peak_memory_gib"] == pytest.approx(22.0)
+    assert summary["comera_rewrites_per_graph"] == {0: 5}

@@ -11,6 +11,7 @@ cd "$(dirname "$0")"
 OUT=${OUT:-./out}; STEPS=${STEPS:-300}; mkdir -p "$OUT"
 if [ -n "${SITE:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 PY=${PYTHON:-$(command -v python || command -v python3)}
+export COMERA_LOG=${COMERA_LOG:-info}  # the log names what the comera passes rewrote in each compiled graph
 PREFIX=${PREFIX:-llama3_2048}  # llama3_tiny with LAUNCH_FLAGS=--cpu: the CPU smoke run of this script
 VARIANTS=${VARIANTS:-"dense fused comera"}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do

@@ -11,11 +11,15 @@ import sys
 from pathlib import Path
 
 LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.naninf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+REWRITES = re.compile(r"comera_compile - INFO - graph (\d+): (\d+) rewrite\(s\)")  # COMERA_LOG=info
 
 
 def parse(path: Path) -> dict:
-    steps = []
+    steps, rewrites = [], {}
     for line in path.read_text(errors="replace").splitlines():
+        r = REWRITES.search(line)
+        if r:
+            rewrites[int(r[1])] = int(r[2])  # per compiled graph (each rank logs the same)
         m = LINE.search(line)
         if m and "validate" not in line:
             steps.append({"step": int(m[1]), "loss": float(m[2]), "memory_gib": float(m[3]),
@@ -24,7 +28,8 @@ def parse(path: Path) -> dict:
     return {"steps": steps, "completed": steps[-1]["step"] if steps else 0,
             "tokens_per_s": sum(s["tps"] for s in later) / len(later) if later else None,
             "peak_memory_gib": max((s["memory_gib"] for s in steps), default=None),
-            "final_loss": steps[-1]["loss"] if steps else None}
+            "final_loss": steps[-1]["loss"] if steps else None,
+            "comera_rewrites_per_graph": rewrites}
 
 
 def main(out: str, *variants: str) -> None:
@@ -33,7 +38,7 @@ def main(out: str, *variants: str) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     for v, s in summary.items():
         print(f"{v:8s} steps {s['completed']:4d}  tokens/s {s['tokens_per_s']}  peak {s['peak_memory_gib']} GiB  "
-              f"final loss {s['final_loss']}")
+              f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}")
     try:
         import matplotlib
 
