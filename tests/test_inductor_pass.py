@@ -394,3 +394,39 @@ def test_trainer_with_torch_compile_gets_the_fused_loss(tmp_path):
     assert len(losses) == 2
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
     assert _kinds(passes.report) == [("cce", "lm_head")], str(passes.report)
+
+
+@pytest.mark.usefixtures("no_inductor_caches")
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_an_accelerate_loop_compiling_with_inductor_gets_the_rewrites(mixed_precision):
+    """A user's own loop with accelerate (``Accelerator(dynamo_backend="inductor")``, which takes no
+    "comera" backend): inside use_with_inductor, ``prepare`` compiles the model with the tensor-train
+    layer lowered and the head's loss fused, the rewrites ``explain`` reports for backend="comera", and
+    the loss and gradients those of eager (under bf16 autocast with ``mixed_precision="bf16"``)."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    model = TTLoss()
+    x, y = _tt_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision == "bf16"):
+        want = _loss_and_grads(model, x, y)
+    expected = cc.explain(model, x, y, options={**OPTIONS, "inner": "eager"})
+    torch._dynamo.reset()
+    AcceleratorState._reset_state(reset_partial_state=True)  # a state another test left has other settings
+    try:
+        accelerator = Accelerator(cpu=True, dynamo_backend="inductor", mixed_precision=mixed_precision)
+        with cc.use_with_inductor(OPTIONS) as passes:
+            prepared, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+            assert isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+            for p in prepared.parameters():
+                p.grad = None
+            loss = prepared(x, y)
+            accelerator.backward(loss)
+            got = loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone()
+                                  for n, p in prepared.named_parameters() if p.grad is not None}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert _kinds(passes.report) == _kinds(expected) == [("cce", "model.2"), ("tt_linear", "model.0")]
+    tol = dict(rtol=1e-4, atol=1e-5) if mixed_precision == "no" else dict(rtol=2e-2, atol=3e-3)
+    _assert_same(got, want, **tol)
