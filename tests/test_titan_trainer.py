@@ -2,7 +2,8 @@
 size 2 on gloo, the tiny configs of examples/torchtitan/comera_configs.py: FSDP2 over the data-parallel
 mesh (``--parallelism.spmd_backend partial_dtensor``), torchtitan's seeded init (``--debug.seed 0``).
 
-* the fused loss against torchtitan's own chunked loss, step by step (the same model and data);
+* the fused loss against torchtitan's own chunked loss, step by step (the same model and data), in
+  training and in torchtitan's validator;
 * the TT converter with checkpoints: ``comera_tt.json`` beside every step folder, and a run resumed
   from step 2 that repeats the uninterrupted run's steps 3 and 4;
 * the TT layers lowered by the comera passes inside torchtitan's per-block Inductor compile, the
@@ -34,6 +35,7 @@ if not dist.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torchtitan"
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
+VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([-\d.]+)")
 
 
 def _port() -> int:
@@ -59,15 +61,22 @@ def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "part
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12),
                     reason="the reference, torchtitan 0.3.0's own chunked loss, dies of a segmentation fault in "
                            "autograd's backward on the CPU with torch 2.11 (no comera code runs in it)")
-def test_the_fused_loss_trains_as_torchtitans_chunked_loss_at_world_size_2(tmp_path):
-    rc, out, dense = train("llama3_tiny_dense", 3, tmp_path / "dense")
+def test_the_fused_loss_trains_and_validates_as_torchtitans_chunked_loss_at_world_size_2(tmp_path):
+    """Training steps and torchtitan's validator (eval mode, no grad, 4 batches of another stream)."""
+    validate = ("--validator.enable", "--validator.freq", "2")
+    rc, out, dense = train("llama3_tiny_dense", 3, tmp_path / "dense", *validate)
     assert rc == 0, out[-3000:]
-    rc, out, fused = train("llama3_tiny_fused", 3, tmp_path / "fused")
+    dense_val = {int(s): float(v) for s, v in VALIDATE.findall(out)}
+    rc, out, fused = train("llama3_tiny_fused", 3, tmp_path / "fused", *validate)
     assert rc == 0, out[-3000:]
+    fused_val = {int(s): float(v) for s, v in VALIDATE.findall(out)}
     assert sorted(dense) == sorted(fused) == [1, 2, 3]
     for step in dense:  # the log prints 5 decimals of the loss and 4 of the norm
         assert fused[step][0] == pytest.approx(dense[step][0], abs=2e-5), step
         assert fused[step][1] == pytest.approx(dense[step][1], abs=2e-4), step
+    assert dense_val and sorted(fused_val) == sorted(dense_val)
+    for step in dense_val:  # 4 decimals
+        assert fused_val[step] == pytest.approx(dense_val[step], abs=2e-4), step
 
 
 def test_tt_converter_checkpoints_and_resumes_at_world_size_2(tmp_path):

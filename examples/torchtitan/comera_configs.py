@@ -30,6 +30,7 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import default_adamw
+from torchtitan.components.validate import Validator
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
@@ -101,6 +102,7 @@ class SyntheticDataLoader(ParallelAwareDataloader):
     class Config(ParallelAwareDataloader.Config):
         vocab_size: int = 256
         seed: int = 0
+        infinite: bool = True  # the validator sets it; the stream is endless either way
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None, seq_len: int,
                  local_batch_size: int, **kwargs):
@@ -149,6 +151,9 @@ def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int,
         checkpoint=CheckpointManager.Config(enable=False),
         activation_checkpoint=SelectiveAC.Config() if ac else None,
         compile=CompileConfig(enable=compile),  # blocks and loss; TT layers lowered inside it (TTConverter)
+        # --validator.enable: 4 batches of another synthetic stream (the same rule, other samples)
+        validator=Validator.Config(steps=4, freq=max(1, steps // 4),
+                                   dataloader=SyntheticDataLoader.Config(vocab_size=vocab, seed=1)),
     )
     return config
 
