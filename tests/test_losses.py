@@ -272,6 +272,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         results = {f"grouped={g}": _fsdp_scenario(rank, g) for g in (True, False)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank's collectives done before any tears its group down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 

@@ -246,6 +246,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         torch.save(_fsdp_scenario(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank's collectives done before any tears its group down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
