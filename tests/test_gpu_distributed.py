@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ports import free_port  # noqa: E402
 
 STEPS = 3
 OPTIONS = {"cce_min_vocab": 0, "cce_backward": "exact"}  # inductor, the default inner compiler
@@ -30,9 +30,7 @@ requires_gpu = pytest.mark.skipif(
 def _process_group(backend: str) -> None:
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(s.getsockname()[1])
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     dist.init_process_group(backend, rank=0, world_size=1)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from comera_compile.losses import IGNORE_INDEX, FusedLinearCrossEntropyLoss
+from ports import free_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -283,10 +283,7 @@ def test_fsdp2_sharded_head_gradients_match_one_process_float64(tmp_path_factory
     out = tmp_path_factory.getbasetemp() / "fsdp2_losses"
     if not (out / "rank1.pt").exists():
         out.mkdir(exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_fsdp_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+        mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     results = [torch.load(out / f"rank{r}.pt", weights_only=False)[f"grouped={grouped}"] for r in range(WORLD)]
     torch.manual_seed(0)
     model = TinyLM()

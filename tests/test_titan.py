@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ from torchtitan.config import CompileConfig  # noqa: E402
 import comera_compile as cc  # noqa: E402
 from comera_compile import titan  # noqa: E402
 from comera_compile.losses import IGNORE_INDEX  # noqa: E402
+from ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,10 +126,7 @@ def _dims(backend: str = "partial_dtensor", world_size: int = 1):
 def one_rank_group():
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -310,10 +307,7 @@ def fsdp_results(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     out = tmp_path_factory.mktemp("titan_fsdp2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

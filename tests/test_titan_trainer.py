@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ pytest.importorskip("torchtitan")  # the runs stand in for datasets / tensorboar
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from ports import free_port  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -38,17 +38,11 @@ STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
 VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([-\d.]+)")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "partial_dtensor"):
     """Run torchtitan's trainer on 2 CPU processes; returns (return code, output, {step: (loss, grad norm)})."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1", "COMERA_LOG": "info"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "launch.py", "--offline-stubs", "--cpu", "--module", "comera_configs", "--config", config,
            "--training.steps", str(steps), "--dump_folder", str(dump), "--debug.seed", "0",
            "--parallelism.spmd_backend", backend, *flags]

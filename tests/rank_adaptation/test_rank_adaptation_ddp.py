@@ -4,7 +4,6 @@ decisions and end with identical ranks, parameters and histories."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -14,15 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from ports import free_port  # noqa: E402
 
 WORLD = 2
 STEPS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -62,7 +57,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_processes_make_identical_pruning_decisions(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     a, b = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
     assert a["last_loss"] != b["last_loss"]  # the processes did see different data
     assert a["events"] == b["events"] >= 2
