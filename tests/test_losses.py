@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -18,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from comera_compile.losses import IGNORE_INDEX, FusedLinearCrossEntropyLoss
-from ports import free_port
+from ports import spawn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -283,7 +282,7 @@ def test_fsdp2_sharded_head_gradients_match_one_process_float64(tmp_path_factory
     out = tmp_path_factory.getbasetemp() / "fsdp2_losses"
     if not (out / "rank1.pt").exists():
         out.mkdir(exist_ok=True)
-        mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+        spawn(_fsdp_worker, (str(out),), WORLD)
     results = [torch.load(out / f"rank{r}.pt", weights_only=False)[f"grouped={grouped}"] for r in range(WORLD)]
     torch.manual_seed(0)
     model = TinyLM()
