@@ -162,7 +162,9 @@ def _trainer(model: Llama3Model.Config, *, vocab: int, seq_len: int, batch: int,
 # The d 2048 Llama-3-style model, one GPU (FSDP2 at world size 1, bf16 parameters)
 # ---------------------------------------------------------------------------------------------
 
-D2048 = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=32768, max_seq_len=2048, attn_backend="flex",
+# Causal SDPA, as in the tiny configs: torchtitan builds flex attention's block masks only from the positions a
+# document-aware loader hands it, and the synthetic stream has no documents (flex got no mask: an AssertionError).
+D2048 = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=32768, max_seq_len=2048, attn_backend="sdpa",
              ffn_multiple=1024)
 TRAIN_2048 = dict(vocab=32768, seq_len=2048, batch=4, steps=300, dtype="bfloat16", log_freq=5, ac=True,
                   compile=True)
