@@ -29,6 +29,7 @@ __all__ = [
     "iter_tt_layers",
     "require_unsharded",
     "set_parameter_data_",
+    "share_parametrized_class",
     "tt_parametrization",
 ]
 
@@ -293,6 +294,84 @@ def bottleneck_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """The forward of a Linear (or ``Conv1D``) whose TT has an activation at its bottleneck: it
     replaces the module class's forward, which would read the (nonexistent) dense weight."""
     return module.parametrizations.weight[0].bottleneck_linear(input, module.bias)
+
+
+def _tt_weight_get(module: nn.Module) -> torch.Tensor:
+    params = module._modules.get("parametrizations")
+    if params is None or "weight" not in params._modules:
+        # not (or no longer) parametrized: torch's remove_parametrizations put a plain weight back
+        if "weight" in module.__dict__:
+            return module.__dict__["weight"]
+        return nn.Module.__getattr__(module, "weight")
+    plist = params._modules["weight"]
+    if parametrize._cache_enabled:  # inside parametrize.cached(): one weight per module, as torch's property
+        key = (id(module), "weight")
+        cached = parametrize._cache.get(key)
+        if cached is None:
+            cached = parametrize._cache[key] = plist()
+        return cached
+    return plist()
+
+
+def _tt_weight_set(module: nn.Module, value) -> None:
+    params = module._modules.get("parametrizations")
+    if params is not None and "weight" in params._modules:
+        params._modules["weight"].right_inverse(value)
+    elif isinstance(value, (nn.Parameter, nn.Module)) or "weight" in module._parameters or "weight" in module._buffers:
+        nn.Module.__setattr__(module, "weight", value)
+    else:  # a plain attribute (object.__setattr__ would come back here through this property)
+        module.__dict__["weight"] = value
+
+
+# One property for every layer of a shared class: it reads the module it is called on (torch's own
+# property closes over one module, which is why torch gives each parametrized module a class of its own).
+_TT_WEIGHT = property(_tt_weight_get, _tt_weight_set, doc="the TT layer's dense weight, formed from its cores")
+
+
+class _SharedParametrizedType(type):
+    """The metaclass of a shared parametrized class: ``remove_parametrizations`` on one of its modules
+    deletes ``weight`` from the module's class; the shared property stays for the other modules (it
+    falls back to the plain attribute for a module that is no longer parametrized)."""
+
+    def __delattr__(cls, name: str) -> None:
+        if name == "weight" and cls.__dict__.get("weight") is _TT_WEIGHT:
+            return
+        super().__delattr__(name)
+
+
+_SHARED_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def share_parametrized_class(module: nn.Module, bottleneck: bool) -> None:
+    """Give a just-parametrized TT layer the class that every TT layer of its base class shares.
+
+    ``register_parametrization`` gives each module a class of its own, so the blocks of a model, each
+    compiled on its own from one code object (torchtitan's per-block ``torch.compile``,
+    ``block.compile()``), fail Dynamo's type guard in turn: one recompile per block, and past
+    ``recompile_limit`` (8) an error under ``fullgraph=True``. With the shared class the blocks reuse
+    one graph. ``bottleneck``: the class's forward is :func:`bottleneck_forward`. A module with other
+    parametrizations, or whose class is not the one torch just made, keeps its own class.
+    """
+    cls = type(module)
+    base = cls.__bases__[0] if len(cls.__bases__) == 1 else None
+    made_by_torch = set(cls.__dict__) <= {"__module__", "__doc__", "__getstate__", "__deepcopy__", "weight",
+                                         "__dict__", "__weakref__", "__qualname__", "__firstlineno__",
+                                         "__static_attributes__"}
+    if (base is None or type(base) is not type or not made_by_torch
+            or set(module.parametrizations.keys()) != {"weight"}):
+        if bottleneck:
+            cls.forward = bottleneck_forward
+        return
+    shared = _SHARED_CLASSES.get((base, bottleneck))
+    if shared is None:
+        namespace = {k: v for k, v in cls.__dict__.items() if k not in ("weight", "__dict__", "__weakref__")}
+        # __module__ stays torch.nn.utils.parametrize: Dynamo inlines such a module's call
+        namespace["weight"] = _TT_WEIGHT
+        if bottleneck:
+            namespace["forward"] = bottleneck_forward
+        shared = _SharedParametrizedType(cls.__name__, (base,), namespace)
+        _SHARED_CLASSES[(base, bottleneck)] = shared
+    module.__class__ = shared
 
 
 def _bond_mismatch(cores: list, gates: list, prefix: str, spec: TTSpec) -> str | None:

@@ -34,8 +34,8 @@ from comera_compile.tensorize.config import TTConfig
 from comera_compile.tensorize.optimizer_check import watch_optimizers
 from comera_compile.tensorize.parametrization import (
     TTParametrization,
-    bottleneck_forward,
     iter_tt_layers,
+    share_parametrized_class,
     tt_parametrization,
 )
 from comera_compile.tt import TTSpec
@@ -452,10 +452,9 @@ def _register(module: nn.Module, param: TTParametrization) -> None:
     placeholder = plist.original.detach()
     del plist.original
     plist.register_buffer("original", placeholder, persistent=False)
-    if param.activation is not None:
-        # register_parametrization gave the module a class of its own: its forward computes
-        # act(x L) R (the module's dense forward would read a weight the layer no longer has)
-        type(module).forward = bottleneck_forward
+    # one class for all TT layers of a kind (per-block compiles reuse one graph); with an activation
+    # its forward computes act(x L) R (the dense forward would read a weight the layer no longer has)
+    share_parametrized_class(module, bottleneck=param.activation is not None)
 
 
 _TIED = ("skip", "share", "untie")
