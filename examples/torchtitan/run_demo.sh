@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU, torchtitan's trainer (FSDP2 at world size 1), the d 2048 Llama-3-style model of comera_configs.py,
-# three variants (dense / fused loss / TT converter + fused loss), STEPS steps each, synthetic data, offline.
+# the variants of comera_configs.py (dense_ce / dense / fused loss / TT converter + fused loss), STEPS steps each,
+# synthetic data, offline.
 # Writes $OUT/<variant>.log and $OUT/summary.json (tokens/s, peak memory, loss curve) and $OUT/loss.png.
 # Needs torchtitan 0.3.0 and comera-compile in the same environment. Without a registry: the pure-Python wheels
 # torchtitan==0.3.0 torchdata tyro docstring_parser typeguard spmd_types==0.2.3 torch_checkpointing einops in a
@@ -13,7 +14,14 @@ if [ -n "${SITE:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 export COMERA_LOG=${COMERA_LOG:-info}  # the log names what the comera passes rewrote in each compiled graph
 PREFIX=${PREFIX:-llama3_2048}  # llama3_tiny with LAUNCH_FLAGS=--cpu: the CPU smoke run of this script
-VARIANTS=${VARIANTS:-"dense fused comera"}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
+# dense_ce: torchtitan's plain cross-entropy (logits formed); dense: its ChunkedLossWrapper, which fails in its
+# backward on torch 2.11 (inside torchtitan and torch), so it runs from torch 2.12 on
+if "$PY" -c "import sys, torch; sys.exit(tuple(int(v) for v in torch.__version__.split('.')[:2]) < (2, 12))"; then
+  DEFAULT_VARIANTS="dense_ce dense fused comera"
+else
+  DEFAULT_VARIANTS="dense_ce fused comera"
+fi
+VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
   "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
     ${LAUNCH_FLAGS:-} --module comera_configs --config "${PREFIX}_${variant}" \
