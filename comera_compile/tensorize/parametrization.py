@@ -296,45 +296,58 @@ def bottleneck_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return module.parametrizations.weight[0].bottleneck_linear(input, module.bias)
 
 
-def _tt_weight_get(module: nn.Module) -> torch.Tensor:
-    params = module._modules.get("parametrizations")
-    if params is None or "weight" not in params._modules:
-        # not (or no longer) parametrized: torch's remove_parametrizations put a plain weight back
-        if "weight" in module.__dict__:
-            return module.__dict__["weight"]
-        return nn.Module.__getattr__(module, "weight")
-    plist = params._modules["weight"]
-    if parametrize._cache_enabled:  # inside parametrize.cached(): one weight per module, as torch's property
-        key = (id(module), "weight")
-        cached = parametrize._cache.get(key)
-        if cached is None:
-            cached = parametrize._cache[key] = plist()
-        return cached
-    return plist()
+def _shared_property(name: str) -> property:
+    """``module.<name>`` for every module of a shared parametrized class: the parametrized value of the
+    module it is called on (cached per module inside ``parametrize.cached()``, as torch's own property),
+    or the plain attribute for a module whose ``name`` is not parametrized."""
+
+    def get(module: nn.Module):
+        params = module._modules.get("parametrizations")
+        if params is None or name not in params._modules:
+            # not (or no longer) parametrized here: torch's remove_parametrizations put a plain one back
+            if name in module.__dict__:
+                return module.__dict__[name]
+            return nn.Module.__getattr__(module, name)
+        plist = params._modules[name]
+        if parametrize._cache_enabled:
+            key = (id(module), name)
+            cached = parametrize._cache.get(key)
+            if cached is None:
+                cached = parametrize._cache[key] = plist()
+            return cached
+        return plist()
+
+    def set(module: nn.Module, value) -> None:
+        params = module._modules.get("parametrizations")
+        if params is not None and name in params._modules:
+            params._modules[name].right_inverse(value)
+        elif isinstance(value, (nn.Parameter, nn.Module)) or name in module._parameters or name in module._buffers:
+            nn.Module.__setattr__(module, name, value)
+        else:  # a plain attribute (object.__setattr__ would come back here through this property)
+            module.__dict__[name] = value
+
+    prop = property(get, set, doc=f"the module's {name}: parametrized where it is, else the plain attribute")
+    _SHARED_PROPERTIES.add(prop)
+    return prop
 
 
-def _tt_weight_set(module: nn.Module, value) -> None:
-    params = module._modules.get("parametrizations")
-    if params is not None and "weight" in params._modules:
-        params._modules["weight"].right_inverse(value)
-    elif isinstance(value, (nn.Parameter, nn.Module)) or "weight" in module._parameters or "weight" in module._buffers:
-        nn.Module.__setattr__(module, "weight", value)
-    else:  # a plain attribute (object.__setattr__ would come back here through this property)
-        module.__dict__["weight"] = value
-
-
-# One property for every layer of a shared class: it reads the module it is called on (torch's own
-# property closes over one module, which is why torch gives each parametrized module a class of its own).
-_TT_WEIGHT = property(_tt_weight_get, _tt_weight_set, doc="the TT layer's dense weight, formed from its cores")
+_SHARED_PROPERTIES: set[property] = set()
 
 
 class _SharedParametrizedType(type):
-    """The metaclass of a shared parametrized class: ``remove_parametrizations`` on one of its modules
-    deletes ``weight`` from the module's class; the shared property stays for the other modules (it
-    falls back to the plain attribute for a module that is no longer parametrized)."""
+    """The metaclass of a shared parametrized class. torch's ``parametrize`` adds and deletes a property on
+    the module's class for one module (torch's own classes are per module): here a property it adds
+    becomes a :func:`_shared_property` (per module, plain for the modules it does not parametrize), and
+    one it deletes stays for the class's other modules."""
+
+    def __setattr__(cls, name: str, value) -> None:
+        if isinstance(value, property) and value not in _SHARED_PROPERTIES:
+            existing = cls.__dict__.get(name)
+            value = existing if existing in _SHARED_PROPERTIES else _shared_property(name)
+        super().__setattr__(name, value)
 
     def __delattr__(cls, name: str) -> None:
-        if name == "weight" and cls.__dict__.get("weight") is _TT_WEIGHT:
+        if cls.__dict__.get(name) in _SHARED_PROPERTIES:
             return
         super().__delattr__(name)
 
@@ -366,7 +379,7 @@ def share_parametrized_class(module: nn.Module, bottleneck: bool) -> None:
     if shared is None:
         namespace = {k: v for k, v in cls.__dict__.items() if k not in ("weight", "__dict__", "__weakref__")}
         # __module__ stays torch.nn.utils.parametrize: Dynamo inlines such a module's call
-        namespace["weight"] = _TT_WEIGHT
+        namespace["weight"] = _shared_property("weight")
         if bottleneck:
             namespace["forward"] = bottleneck_forward
         shared = _SharedParametrizedType(cls.__name__, (base,), namespace)

@@ -127,3 +127,33 @@ def test_bottleneck_layers_share_a_class_of_their_own():
     assert not torch.allclose(net[0](x), net[1](x))
     w = net[2].weight.detach()
     torch.testing.assert_close(net[2](x), x @ w.t() + net[2].bias)
+
+
+class _Scale(nn.Module):
+    def forward(self, b):
+        return 3.0 * b
+
+
+def test_another_parametrization_on_one_layer_leaves_its_siblings_alone():
+    blocks = _blocks(n=2)
+    first, second = blocks[0].up, blocks[1].up
+    bias_first, bias_second = first.bias.detach().clone(), second.bias.detach().clone()
+    parametrize.register_parametrization(first, "bias", _Scale())
+    assert type(first) is type(second)
+    torch.testing.assert_close(first.bias, 3.0 * bias_first, rtol=0, atol=0)
+    assert isinstance(second.bias, nn.Parameter)
+    torch.testing.assert_close(second.bias.detach(), bias_second, rtol=0, atol=0)
+    with parametrize.cached():
+        torch.testing.assert_close(first.bias, 3.0 * bias_first, rtol=0, atol=0)
+        torch.testing.assert_close(second.bias.detach(), bias_second, rtol=0, atol=0)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    blocks.double()
+    torch.testing.assert_close(first(x), x @ first.weight.t() + 3.0 * bias_first.double())
+    torch.testing.assert_close(second(x), x @ second.weight.t() + second.bias)
+    # a second layer may take the same parametrization; removing it restores the plain bias
+    parametrize.register_parametrization(second, "bias", _Scale())
+    torch.testing.assert_close(second.bias.detach().float(), 3.0 * bias_second, rtol=1e-6, atol=0)
+    parametrize.remove_parametrizations(first, "bias", leave_parametrized=False)
+    assert isinstance(first.bias, nn.Parameter) and type(first) is type(second)
+    torch.testing.assert_close(first.bias.detach().float(), bias_first, rtol=1e-6, atol=0)
+    torch.testing.assert_close(second.bias.detach().float(), 3.0 * bias_second, rtol=1e-6, atol=0)
