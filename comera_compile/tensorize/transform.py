@@ -7,7 +7,9 @@ dict ``{fqn: TTConfig}`` for per-module configs. Call it before the optimizer is
 
 Each selected layer keeps its type and name; its ``weight`` becomes a ``torch.nn.utils.parametrize``
 parametrization (:class:`~comera_compile.tensorize.parametrization.TTParametrization`). The dense
-weight is not kept (the parametrization's ``original`` is a zero-size, non-persistent buffer).
+weight is not kept (the parametrization's ``original`` is a zero-size, non-persistent buffer). The TT
+layers of one base class share one parametrized class (``ParametrizedLinear``, a subclass of it), so
+blocks compiled one at a time (torchtitan, ``block.compile()``) reuse one compiled graph.
 """
 
 from __future__ import annotations
