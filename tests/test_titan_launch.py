@@ -2,6 +2,7 @@
 succeed and refuses any use with an error naming the package; an installed package is never replaced."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -69,3 +70,20 @@ def test_the_demo_summary_reads_steps_and_rewrites(tmp_path):
     assert summary["tokens_per_s"] == pytest.approx((11000 + 12000) / 2)  # steps past 10 only
     assert summary["peak_memory_gib"] == pytest.approx(22.0)
     assert summary["comera_rewrites_per_graph"] == {0: 5}
+
+
+def test_the_demo_summary_compares_each_variant_with_the_dense_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("titan_summarize", ROOT / "examples" / "torchtitan" / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    step = "step: {i:2d}  loss: 5.00000  grad_norm:  0.5  memory: {mem:5.2f}GiB(1.00%)  tps: {tps:,}  tflops: 0.00"
+    runs = {"dense_ce": (20.0, 30000), "comera": (5.0, 48000), "dense": (None, None)}
+    for name, (mem, tps) in runs.items():
+        lines = [step.format(i=i, mem=mem, tps=tps) for i in range(11, 14)] if mem else ["Error: it failed"]
+        (tmp_path / f"{name}.log").write_text("\n".join(lines) + "\n")
+    summarize.main(str(tmp_path), "dense_ce", "dense", "comera")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["comera"]["vs_dense"] == {"reference": "dense_ce", "step": pytest.approx(30000 / 48000),
+                                             "peak_memory": pytest.approx(0.25)}
+    assert summary["dense"]["vs_dense"] is None  # no steps
+    assert summary["dense_ce"]["vs_dense"]["step"] == pytest.approx(1.0)

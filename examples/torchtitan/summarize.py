@@ -1,6 +1,9 @@
 """Read torchtitan's step lines from OUT/<variant>.log; write OUT/summary.json and OUT/loss.png.
 
-    python summarize.py OUT dense fused comera
+    python summarize.py OUT dense_ce dense fused comera
+
+Each variant's step time and peak memory are also given against the dense run (``dense_ce``, else
+``dense``: the first of them that completed steps) as ``vs_dense``.
 """
 
 from __future__ import annotations
@@ -32,13 +35,34 @@ def parse(path: Path) -> dict:
             "comera_rewrites_per_graph": rewrites}
 
 
+DENSE = ("dense_ce", "dense")  # the dense references, in order of preference
+
+
+def against_dense(summary: dict) -> None:
+    """Add ``vs_dense`` to each variant: its step time (the dense tokens/s over its own, at the same batch)
+    and peak memory as multiples of the dense run's, and which dense run that is; None without one."""
+    ref = next((v for v in DENSE if summary.get(v, {}).get("tokens_per_s")), None)
+    for s in summary.values():
+        if ref is None or not s["tokens_per_s"]:
+            s["vs_dense"] = None
+            continue
+        d = summary[ref]
+        s["vs_dense"] = {"reference": ref, "step": d["tokens_per_s"] / s["tokens_per_s"],
+                         "peak_memory": (s["peak_memory_gib"] / d["peak_memory_gib"]
+                                         if d["peak_memory_gib"] else None)}
+
+
 def main(out: str, *variants: str) -> None:
     out_dir = Path(out)
     summary = {v: parse(out_dir / f"{v}.log") for v in variants if (out_dir / f"{v}.log").exists()}
+    against_dense(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     for v, s in summary.items():
+        vs = s["vs_dense"]
+        rel = (f"  step {vs['step']:.2f}x, peak memory {vs['peak_memory']:.2f}x {vs['reference']}"
+               if vs and vs["peak_memory"] is not None else "")
         print(f"{v:8s} steps {s['completed']:4d}  tokens/s {s['tokens_per_s']}  peak {s['peak_memory_gib']} GiB  "
-              f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}")
+              f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}{rel}")
     try:
         import matplotlib
 
