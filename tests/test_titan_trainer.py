@@ -38,12 +38,14 @@ STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
 VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([-\d.]+)")
 
 
-def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "partial_dtensor"):
+def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "partial_dtensor",
+          module: str = "comera_configs"):
     """Run torchtitan's trainer on 2 CPU processes; returns (return code, output, {step: (loss, grad norm)})."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]  # tests/: titan_deep_configs
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)),
            "OMP_NUM_THREADS": "1", "COMERA_LOG": "info"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "launch.py", "--offline-stubs", "--cpu", "--module", "comera_configs", "--config", config,
+           "launch.py", "--offline-stubs", "--cpu", "--module", module, "--config", config,
            "--training.steps", str(steps), "--dump_folder", str(dump), "--debug.seed", "0",
            "--parallelism.spmd_backend", backend, *flags]
     proc = subprocess.run(cmd, cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=600)
@@ -101,6 +103,22 @@ def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
     assert len(re.findall(r"graph \d+: 5 rewrite\(s\), 0 candidate\(s\) left alone", out)) >= 2, out[-3000:]
     assert "sharded with their block" in out  # tt_params="auto": replicate's hooks cannot sit in a fullgraph compile
     assert sorted(compiled) == sorted(eager) == [1, 2, 3]
+    for step in eager:
+        assert compiled[step][0] == pytest.approx(eager[step][0], abs=1e-4), step
+        assert compiled[step][1] == pytest.approx(eager[step][1], abs=1e-3), step
+
+
+def test_ten_tt_blocks_compiled_one_by_one_share_one_graph(tmp_path):
+    """torchtitan compiles each block on its own from one code object: TT layers with a class per module
+    failed Dynamo's type guard at every block, and the ninth raised (recompile_limit 8, fullgraph=True)."""
+    rc, out, eager = train("llama3_tiny_deep_comera", 2, tmp_path / "eager", module="titan_deep_configs")
+    assert rc == 0, out[-3000:]
+    rc, out, compiled = train("llama3_tiny_deep_comera", 2, tmp_path / "compiled", "--compile.enable",
+                              module="titan_deep_configs")
+    assert rc == 0, out[-3000:]
+    graphs = re.findall(r"graph (\d+): 5 rewrite\(s\), 0 candidate\(s\) left alone", out)
+    assert graphs and set(graphs) == {"0"}, out[-3000:]  # one graph per rank for all 10 blocks
+    assert sorted(compiled) == sorted(eager) == [1, 2]
     for step in eager:
         assert compiled[step][0] == pytest.approx(eager[step][0], abs=1e-4), step
         assert compiled[step][1] == pytest.approx(eager[step][1], abs=1e-3), step
