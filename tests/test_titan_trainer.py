@@ -7,7 +7,7 @@ mesh (``--parallelism.spmd_backend partial_dtensor``), torchtitan's seeded init 
 * the TT converter with checkpoints: ``comera_tt.json`` beside every step folder, and a run resumed
   from step 2 that repeats the uninterrupted run's steps 3 and 4;
 * the TT layers lowered by the comera passes inside torchtitan's per-block Inductor compile, the
-  losses those of the eager blocks;
+  losses those of the eager blocks, and 10 such blocks sharing one compiled graph;
 * the SPMD backends that hand FSDP2 DTensors on the full mesh are refused, naming the one that works.
 
 Skipped without torchtitan (``pip install -e ".[titan]"``)."""
