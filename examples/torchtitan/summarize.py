@@ -59,8 +59,10 @@ def main(out: str, *variants: str) -> None:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     for v, s in summary.items():
         vs = s["vs_dense"]
-        rel = (f"  step {vs['step']:.2f}x, peak memory {vs['peak_memory']:.2f}x {vs['reference']}"
-               if vs and vs["peak_memory"] is not None else "")
+        rel = ""
+        if vs:
+            mem = f", peak memory {vs['peak_memory']:.2f}x" if vs["peak_memory"] is not None else ""
+            rel = f"  step {vs['step']:.2f}x{mem} {vs['reference']}"
         print(f"{v:8s} steps {s['completed']:4d}  tokens/s {s['tokens_per_s']}  peak {s['peak_memory_gib']} GiB  "
               f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}{rel}")
     try:
