@@ -709,8 +709,24 @@ def best_rows(rows: list[dict]) -> list[dict]:
         best.append(dict(top, config=base, run=top["config"], best_lr=top["lr"], runs=len(group),
                          lr_losses={r["lr"]: r["val_loss"] for r in scored},
                          lr_complete={r["lr"]: r["complete"] for r in scored},
-                         lr_at_edge=len(lrs) >= 2 and top["lr"] in (lrs[0], lrs[-1])))
+                         lr_at_edge=len(lrs) >= 2 and top["lr"] in (lrs[0], lrs[-1]),
+                         cut_lower=_cut_lower(top, scored)))
     return best
+
+
+def _cut_lower(top: dict, runs: list[dict]) -> list[tuple]:
+    """The cut-short runs (another lr) whose last validation loss is below both ``top``'s final loss and
+    ``top``'s loss at that same step: (lr, step, its loss, top's loss there). Such an lr is likely the
+    better one; only complete runs can be the best row."""
+    curve = dict(top.get("evals") or [])
+    out = []
+    for r in runs:
+        if r is top or r["complete"] or r.get("eval_step") not in curve:
+            continue
+        there = curve[r["eval_step"]]
+        if r["val_loss"] < min(there, top["val_loss"]):
+            out.append((r["lr"], r["eval_step"], r["val_loss"], there))
+    return out
 
 
 #: the study's reference rows, by role: the d 768 benchmark's names, then the width study's
@@ -732,6 +748,8 @@ def best_table(best: list[dict]) -> str:
                for k, ref in refs.items()}
         sweep = ", ".join(f"{lr:g}: {loss:.4f}{'' if b['lr_complete'][lr] else ' (cut short)'}"
                           for lr, loss in sorted(b["lr_losses"].items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+        sweep += "".join(f"; {lr:g} cut short was lower at step {step} ({loss:.4f} against {there:.4f})"
+                         for lr, step, loss, there in b.get("cut_lower") or [])
         step = f"{1e3 * b['step_time_s']:.0f}{'' if b['step_time_alone'] else '*'}" if b["step_time_s"] else ""
         lines.append("| " + " | ".join([
             b["config"],
@@ -745,7 +763,8 @@ def best_table(best: list[dict]) -> str:
     lines += ["", "Each configuration at its best learning rate: the lowest final validation loss of its runs (nats "
               "per token on the fixed held-out windows). (edge): the best lr is the smallest or largest tried, "
               "so a wider sweep may do better. epochs: training tokens seen / the train split's windows (each "
-              "window once per epoch)."]
+              "window once per epoch). \"cut short was lower\": a run stopped early at another lr was already below "
+              "this one, at the same step and at this one's end: that lr is likely the better one."]
     noise = seed_noise(best)
     if noise:
         lines += ["", noise]

@@ -292,3 +292,19 @@ def test_smoke_width_study_reports_time_to_the_dense_loss(tmp_path):
     best = study.best_rows(rows)
     ref = study.reference(best, "dense")
     assert ref["config"] == "w-dense"
+
+
+def test_the_best_row_names_a_cut_short_lr_that_was_already_lower():
+    def run(lr, evals, complete):
+        return {"config": f"w-x@{lr}", "base": "w-x", "lr": lr, "complete": complete, "evals": evals,
+                "val_loss": evals[-1][1], "eval_step": evals[-1][0], "step_time_s": None, "step_time_alone": False,
+                "parameters": None, "block_parameters": None, "tokens_seen": None, "epochs": None, "doc": ""}
+    stalled = run(0.0024, [(100, 6.3), (200, 6.2), (300, 6.0)], True)
+    cut_better = run(0.0012, [(100, 5.0), (200, 4.3)], False)
+    cut_worse = run(0.0048, [(100, 6.5)], False)
+    (best,) = study.best_rows([stalled, cut_better, cut_worse])
+    assert best["best_lr"] == 0.0024  # only complete runs are the best row
+    assert best["cut_lower"] == [(0.0012, 200, 4.3, 6.2)]
+    assert "0.0012 cut short was lower at step 200 (4.3000 against 6.2000)" in study.best_table([best])
+    (only,) = study.best_rows([run(0.0024, [(100, 4.0), (200, 3.0)], True), cut_worse])
+    assert only["cut_lower"] == []
