@@ -9,6 +9,7 @@ is exactly one call of ``torch.ops.comera.tt_materialize``, so Dynamo sees
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Iterator, NamedTuple, Sequence
 
@@ -21,6 +22,8 @@ from comera_compile import tt
 from comera_compile.fx_utils import unwrap_compiled
 from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (registers the op)
 from comera_compile.tt import TTSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "TTLayer",
@@ -372,6 +375,9 @@ def share_parametrized_class(module: nn.Module, bottleneck: bool) -> None:
                                          "__static_attributes__"}
     if (base is None or type(base) is not type or not made_by_torch
             or set(module.parametrizations.keys()) != {"weight"}):
+        log.info("TT layer %s keeps a parametrized class of its own (parametrized: %s): compiled one block at "
+                 "a time, each such layer's block compiles again", cls.__name__,
+                 sorted(module.parametrizations.keys()))
         if bottleneck:
             cls.forward = bottleneck_forward
         return

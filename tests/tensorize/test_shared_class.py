@@ -157,3 +157,16 @@ def test_another_parametrization_on_one_layer_leaves_its_siblings_alone():
     assert isinstance(first.bias, nn.Parameter) and type(first) is type(second)
     torch.testing.assert_close(first.bias.detach().float(), bias_first, rtol=1e-6, atol=0)
     torch.testing.assert_close(second.bias.detach().float(), 3.0 * bias_second, rtol=1e-6, atol=0)
+
+
+def test_a_layer_with_another_parametrization_keeps_its_class_and_says_so(caplog):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 64))
+    parametrize.register_parametrization(net[0], "bias", _Scale())
+    want_bias = net[0].bias.detach().clone()
+    with caplog.at_level("INFO", logger="comera_compile.tensorize.parametrization"):
+        cc.tensorize_(net, cc.TTConfig(fmt="btt", min_size=0))
+    assert type(net[0]) is not type(net[2]) and type(net[1]) is type(net[2])
+    assert "keeps a parametrized class of its own (parametrized: ['bias', 'weight'])" in caplog.text
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(net[0](x), x @ net[0].weight.t() + want_bias, rtol=1e-5, atol=1e-6)
