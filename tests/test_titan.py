@@ -348,3 +348,21 @@ def test_rank_adaptation_is_refused_where_fsdp2_holds_the_cores(fsdp_results):
     for res in fsdp_results:
         assert res["fused"]["refused"].startswith("RankAdaptation under torchtitan changes the shapes"), \
             res["fused"]["refused"]
+
+
+def test_the_validators_stream_follows_the_training_streams_rule():
+    """Validation measures what training learns: another seed draws other samples of the same rule."""
+    def transitions(seed):
+        x, _ = next(iter(comera_configs._Tokens(vocab=64, seq_len=512, seed=seed, rank=0)))
+        x = x["input"]
+        return x, list(zip(x[:-1].tolist(), x[1:].tolist()))
+
+    train, pairs = transitions(0)
+    rule = {}
+    for a, b in pairs:  # the most frequent successor of each token: the rule, up to the 10 % noise
+        rule.setdefault(a, []).append(b)
+    rule = {a: max(set(bs), key=bs.count) for a, bs in rule.items()}
+    val, val_pairs = transitions(1)
+    assert not torch.equal(train, val)
+    known = [(a, b) for a, b in val_pairs if a in rule]
+    assert len(known) > 300 and sum(rule[a] == b for a, b in known) / len(known) > 0.8

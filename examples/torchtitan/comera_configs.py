@@ -73,15 +73,16 @@ class NullTokenizer(BaseTokenizer):
 
 class _Tokens(IterableDataset):
     """An endless stream of ([seq_len] input, [seq_len] labels): x[t] = rule[x[t-1]] (a fixed random
-    table of ``vocab`` entries), a uniform random token instead 10 % of the time; one stream per
-    data-parallel rank, resumable (its state is the number of samples drawn)."""
+    table of ``vocab`` entries, the same for every seed), a uniform random token instead 10 % of the time;
+    ``seed`` draws the samples (the validator's stream: seed 1); one stream per data-parallel rank,
+    resumable (its state is the number of samples drawn)."""
 
     def __init__(self, vocab: int, seq_len: int, seed: int, rank: int):
         self.vocab, self.seq_len, self.seed, self.rank = vocab, seq_len, seed, rank
         self.step = 0
 
     def __iter__(self):
-        rule = torch.randint(0, self.vocab, (self.vocab,), generator=torch.Generator().manual_seed(self.seed))
+        rule = torch.randint(0, self.vocab, (self.vocab,), generator=torch.Generator().manual_seed(0))
         while True:  # sample i from its own seed: a resumed run (load_state_dict) continues the same stream
             g = torch.Generator().manual_seed((self.seed * 1000 + self.rank + 1) * 1_000_003 + self.step)
             x = torch.empty(self.seq_len + 1, dtype=torch.long)
