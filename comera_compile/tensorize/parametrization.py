@@ -299,6 +299,10 @@ def bottleneck_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return module.parametrizations.weight[0].bottleneck_linear(input, module.bias)
 
 
+class _SharedProperty(property):
+    """A property of a shared parametrized class (made by :func:`_shared_property`)."""
+
+
 def _shared_property(name: str) -> property:
     """``module.<name>`` for every module of a shared parametrized class: the parametrized value of the
     module it is called on (cached per module inside ``parametrize.cached()``, as torch's own property),
@@ -329,12 +333,7 @@ def _shared_property(name: str) -> property:
         else:  # a plain attribute (object.__setattr__ would come back here through this property)
             module.__dict__[name] = value
 
-    prop = property(get, set, doc=f"the module's {name}: parametrized where it is, else the plain attribute")
-    _SHARED_PROPERTIES.add(prop)
-    return prop
-
-
-_SHARED_PROPERTIES: set[property] = set()
+    return _SharedProperty(get, set, doc=f"the module's {name}: parametrized where it is, else the plain attribute")
 
 
 class _SharedParametrizedType(type):
@@ -344,13 +343,13 @@ class _SharedParametrizedType(type):
     one it deletes stays for the class's other modules."""
 
     def __setattr__(cls, name: str, value) -> None:
-        if isinstance(value, property) and value not in _SHARED_PROPERTIES:
+        if isinstance(value, property) and not isinstance(value, _SharedProperty):
             existing = cls.__dict__.get(name)
-            value = existing if existing in _SHARED_PROPERTIES else _shared_property(name)
+            value = existing if isinstance(existing, _SharedProperty) else _shared_property(name)
         super().__setattr__(name, value)
 
     def __delattr__(cls, name: str) -> None:
-        if cls.__dict__.get(name) in _SHARED_PROPERTIES:
+        if isinstance(cls.__dict__.get(name), _SharedProperty):
             return
         super().__delattr__(name)
 

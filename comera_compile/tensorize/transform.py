@@ -374,8 +374,9 @@ def _plan_all(model: nn.Module, selected: dict[str, TTConfig], modules: dict[str
 def _set_dense(module: nn.Module, weight: nn.Parameter) -> None:
     """Make ``module.weight`` the plain Parameter ``weight`` (removing a TT parametrization)."""
     if parametrize.is_parametrized(module, "weight"):
-        # a deepcopy shares the parametrized class with its original, and removing the
-        # parametrization deletes the property from that class: give this module its own first
+        # TT layers share their parametrized class (with their siblings, and a deepcopy with its
+        # original), and removing the parametrization deletes the property from that class: give
+        # this module its own first
         cls = type(module)
         module.__class__ = type(cls.__name__, cls.__bases__, dict(cls.__dict__))
         parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
