@@ -366,3 +366,27 @@ def test_the_validators_stream_follows_the_training_streams_rule():
     assert not torch.equal(train, val)
     known = [(a, b) for a, b in val_pairs if a in rule]
     assert len(known) > 300 and sum(rule[a] == b for a, b in known) / len(known) > 0.8
+
+
+def test_the_synthetic_stream_follows_its_rule_token_by_token_and_resumes():
+    """The stream, against the rule written out with tensors (x[t] = rule[x[t-1]], or the noise draw), for
+    several samples, and a stream resumed from its state continues with the same samples."""
+    vocab, seq_len = 50, 300
+    rule = torch.randint(0, vocab, (vocab,), generator=torch.Generator().manual_seed(0))
+    stream = comera_configs._Tokens(vocab=vocab, seq_len=seq_len, seed=3, rank=1)
+    it = iter(stream)
+    got = [next(it) for _ in range(3)]
+    for i, (inputs, labels) in enumerate(got):
+        g = torch.Generator().manual_seed((3 * 1000 + 1 + 1) * 1_000_003 + i)
+        want = torch.empty(seq_len + 1, dtype=torch.long)
+        want[0] = torch.randint(0, vocab, (1,), generator=g)
+        noise = torch.rand(seq_len + 1, generator=g) < 0.1
+        rand = torch.randint(0, vocab, (seq_len + 1,), generator=g)
+        for t in range(1, seq_len + 1):
+            want[t] = rand[t] if noise[t] else rule[want[t - 1]]
+        assert torch.equal(inputs["input"], want[:-1]) and torch.equal(labels, want[1:])
+        assert inputs["input"].dtype == labels.dtype == torch.long
+    resumed = comera_configs._Tokens(vocab=vocab, seq_len=seq_len, seed=3, rank=1)
+    resumed.load_state_dict({"step": 2})
+    inputs, labels = next(iter(resumed))
+    assert torch.equal(inputs["input"], got[2][0]["input"]) and torch.equal(labels, got[2][1])

@@ -87,3 +87,22 @@ def test_the_demo_summary_compares_each_variant_with_the_dense_run(tmp_path):
                                              "peak_memory": pytest.approx(0.25)}
     assert summary["dense"]["vs_dense"] is None  # no steps
     assert summary["dense_ce"]["vs_dense"]["step"] == pytest.approx(1.0)
+
+
+def test_the_demo_summary_reads_the_timing_lines(tmp_path):
+    """launch.py --timing-lines: the median step and data-loading seconds past step 10."""
+    spec = importlib.util.spec_from_file_location("titan_summarize", ROOT / "examples" / "torchtitan" / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    step = "step: {i:2d}  loss: 5.00000  grad_norm:  0.5  memory: 1.00GiB(1.00%)  tps: 1,000  tflops: 0.00"
+    timing = "launch.py timing: step {i} end_to_end_s {e2e} data_loading_s {data}"
+    lines = []
+    for i, (e2e, data) in enumerate([(9.0, 5.0), (0.2, 0.01), (0.3, 0.03), (0.25, 0.02), (1e-1, 2e-3)], start=10):
+        lines += [step.format(i=i), timing.format(i=i, e2e=e2e, data=data)]
+    log = tmp_path / "fused.log"
+    log.write_text("\n".join(lines) + "\n")
+    summary = summarize.parse(log)
+    assert summary["median_step_s"] == pytest.approx(0.25)  # of 0.1, 0.2, 0.25, 0.3 (step 10 left out)
+    assert summary["median_data_loading_s"] == pytest.approx(0.02)
+    (tmp_path / "plain.log").write_text(step.format(i=11) + "\n")
+    assert summarize.parse(tmp_path / "plain.log")["median_step_s"] is None  # a log without the lines

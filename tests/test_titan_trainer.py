@@ -94,9 +94,13 @@ def test_tt_converter_checkpoints_and_resumes_at_world_size_2(tmp_path):
 
 
 def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
-    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager")
+    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager", "--timing-lines")
     assert rc == 0, out[-3000:]
     assert "TT layer forms its dense weight each forward" in out and "rewrite(s)" not in out
+    # launch.py --timing-lines: torchtitan's step and data-loading times, one line per log (log_freq 1)
+    timing = re.findall(r"launch\.py timing: step (\d+) end_to_end_s ([\d.e+-]+) data_loading_s ([\d.e+-]+)", out)
+    assert sorted({int(s) for s, _, _ in timing}) == [1, 2, 3], out[-3000:]
+    assert all(0 <= float(data) < float(e2e) for _, e2e, data in timing)
     rc, out, compiled = train("llama3_tiny_comera", 3, tmp_path / "compiled", "--compile.enable")
     assert rc == 0, out[-3000:]
     # each of the 2 blocks: its 5 Linears lowered by the comera passes inside Inductor (both ranks log it)

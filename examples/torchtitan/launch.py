@@ -15,6 +15,11 @@ registry, where their wheels and pyarrow/pandas would not fit), stand-ins named 
 import; this folder's configs use synthetic data and no tensorboard, so nothing calls them, and a call
 raises ``RuntimeError`` naming the missing package. An installed package is always used as it is.
 
+``--timing-lines``: after each of torchtitan's step logs, one more line, ``launch.py timing: step N
+end_to_end_s X data_loading_s Y``: the mean seconds per step since the last log and the mean seconds
+of it spent waiting for the data loader (torchtitan measures both and hands them only to tensorboard
+or wandb); ``summarize.py`` reads them.
+
 Always: torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13.0 lacks; where it is
 missing it is defined from torch's ``_set_pg_timeout`` (:func:`_set_timeout_shim`).
 """
@@ -134,6 +139,31 @@ def _fsdp_mesh_dims_shim() -> None:
         fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 
+def _timing_lines() -> None:
+    """Print torchtitan's per-log step time and data-loading time (see the module's docstring)."""
+    from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+
+    class TimingLines(BaseLogger):
+        def __init__(self, inner: BaseLogger):
+            self.inner = inner
+
+        def log(self, metrics, step):
+            e2e, data = metrics.get("time_metrics/end_to_end(s)"), metrics.get("time_metrics/data_loading(s)")
+            if e2e is not None and data is not None:
+                print(f"launch.py timing: step {step} end_to_end_s {e2e:.6f} data_loading_s {data:.6f}", flush=True)
+            self.inner.log(metrics, step)
+
+        def close(self):
+            self.inner.close()
+
+    build = MetricsProcessor._build_metric_logger
+
+    def _build_metric_logger(self, *args, **kwargs):
+        return TimingLines(build(self, *args, **kwargs))
+
+    MetricsProcessor._build_metric_logger = _build_metric_logger
+
+
 def main(argv: list[str]) -> None:
     _set_timeout_shim()
     _fsdp_mesh_dims_shim()
@@ -147,10 +177,15 @@ def main(argv: list[str]) -> None:
         if stubbed:
             print(f"launch.py: offline stand-ins for {', '.join(stubbed)} (not installed; never called here)",
                   flush=True)
+    timing = "--timing-lines" in argv
+    if timing:
+        argv.remove("--timing-lines")
     sys.path.insert(0, HERE)
     sys.argv = [sys.argv[0], *argv]
     if cpu:
         _gloo_sum_reductions()
+    if timing:
+        _timing_lines()
     from torchtitan.train import main as titan_main
 
     titan_main()

@@ -23,7 +23,7 @@ else
 fi
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
-  "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs \
+  "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs --timing-lines \
     ${LAUNCH_FLAGS:-} --module comera_configs --config "${PREFIX}_${variant}" \
     --training.steps "$STEPS" --dump_folder "$DUMP/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
 done

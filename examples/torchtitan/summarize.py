@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 
 LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.naninf]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+TIMING = re.compile(r"launch\.py timing: step (\d+) end_to_end_s ([\d.e+-]+) data_loading_s ([\d.e+-]+)")
 REWRITES = re.compile(r"comera_compile - INFO - graph (\d+): (\d+) rewrite\(s\)")  # COMERA_LOG=info
 
 
 def parse(path: Path) -> dict:
-    steps, rewrites = [], {}
+    steps, rewrites, timing = [], {}, []
     for line in path.read_text(errors="replace").splitlines():
+        t = TIMING.search(line)
+        if t:  # launch.py --timing-lines
+            timing.append({"step": int(t[1]), "step_s": float(t[2]), "data_loading_s": float(t[3])})
         r = REWRITES.search(line)
         if r:
             rewrites[int(r[1])] = int(r[2])  # per compiled graph (each rank logs the same)
@@ -28,11 +32,19 @@ def parse(path: Path) -> dict:
             steps.append({"step": int(m[1]), "loss": float(m[2]), "memory_gib": float(m[3]),
                           "tps": int(m[4].replace(",", ""))})
     later = [s for s in steps if s["step"] > 10] or steps  # past compilation / warm-up
+    times = [t for t in timing if t["step"] > 10] or timing
     return {"steps": steps, "completed": steps[-1]["step"] if steps else 0,
             "tokens_per_s": sum(s["tps"] for s in later) / len(later) if later else None,
             "peak_memory_gib": max((s["memory_gib"] for s in steps), default=None),
             "final_loss": steps[-1]["loss"] if steps else None,
-            "comera_rewrites_per_graph": rewrites}
+            "comera_rewrites_per_graph": rewrites,
+            "median_step_s": _median([t["step_s"] for t in times]),
+            "median_data_loading_s": _median([t["data_loading_s"] for t in times])}
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
 
 
 DENSE = ("dense_ce", "dense")  # the dense references, in order of preference
@@ -63,8 +75,12 @@ def main(out: str, *variants: str) -> None:
         if vs:
             mem = f", peak memory {vs['peak_memory']:.2f}x" if vs["peak_memory"] is not None else ""
             rel = f"  step {vs['step']:.2f}x{mem} {vs['reference']}"
+        timing = ""
+        if s["median_step_s"] is not None:
+            timing = (f"  median step {s['median_step_s'] * 1e3:.1f} ms, of it waiting for data "
+                      f"{s['median_data_loading_s'] * 1e3:.1f} ms")
         print(f"{v:8s} steps {s['completed']:4d}  tokens/s {s['tokens_per_s']}  peak {s['peak_memory_gib']} GiB  "
-              f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}{rel}")
+              f"final loss {s['final_loss']}  comera rewrites per graph {s['comera_rewrites_per_graph']}{rel}{timing}")
     try:
         import matplotlib
 
