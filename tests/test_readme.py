@@ -9,7 +9,8 @@ import torch
 
 import comera_compile as cc
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _code_after(heading: str) -> str:
@@ -117,3 +118,42 @@ def test_readme_api_table_lists_every_public_name():
 
 def test_readme_stays_short():
     assert len(README.read_text().splitlines()) <= 400
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings (lowercased, punctuation but '-' and '_' dropped, spaces
+    as '-', '-1', '-2' ... for repeats); headings inside code blocks are not headings."""
+    seen, anchors, in_code = {}, set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+DOCS = ["README.md", "BENCHMARKS.md", "DESIGN.md", "docs/benchmarks_archive.md", "examples/torchtitan/README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_local_links_reach_a_file_and_heading(doc):
+    path = ROOT / doc
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked.read_text()):
+            broken.append(f"{target}: no such heading")
+    assert not broken, broken
+
+
+def test_benchmarks_stays_short():
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= 600
