@@ -12,7 +12,7 @@
 #      torchtitan's chunked dense from torch 2.12 on, TITAN_STEPS steps each) from the wheels carried in
 #      .whl/titan (carry it).
 #
-#   [SKIP_TESTS=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] bash benchmarks/gpu_followups.sh [OUT_DIR]
+#   [SKIP_TESTS=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43] bash benchmarks/gpu_followups.sh [OUT_DIR]
 #
 # Make BASE with: mkdir -p .ab/base && git archive a9ab1e1 comera_compile passes kernels benchmarks pyproject.toml
 #   | tar -x -C .ab/base     (.ab/ is ignored by git: run(carry=[".whl", ".ab"])).
@@ -52,7 +52,7 @@ if [ -z "${SKIP_CCE:-}" ]; then
 fi
 if [ -d .whl/titan ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/titan_site .whl/titan/*.whl > "$out/titan_install.log" 2>&1
-  PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan" DUMP=/tmp/titan_dump STEPS=${TITAN_STEPS:-300} timeout 900 \
+  PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan" DUMP=/tmp/titan_dump STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} timeout 900 \
     bash examples/torchtitan/run_demo.sh > "$out/titan.log" 2>&1
   stamp "titan rc $?"
 fi

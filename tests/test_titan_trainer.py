@@ -94,13 +94,17 @@ def test_tt_converter_checkpoints_and_resumes_at_world_size_2(tmp_path):
 
 
 def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
-    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager", "--timing-lines")
+    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager", "--timing-lines", "--profile-steps", "2:4")
     assert rc == 0, out[-3000:]
     assert "TT layer forms its dense weight each forward" in out and "rewrite(s)" not in out
     # launch.py --timing-lines: torchtitan's step and data-loading times, one line per log (log_freq 1)
     timing = re.findall(r"launch\.py timing: step (\d+) end_to_end_s ([\d.e+-]+) data_loading_s ([\d.e+-]+)", out)
     assert sorted({int(s) for s, _, _ in timing}) == [1, 2, 3], out[-3000:]
     assert all(0 <= float(data) < float(e2e) for _, e2e, data in timing)
+    # launch.py --profile-steps 2:4: steps 2 and 3 profiled, one summary line per rank and the op table
+    summary = re.findall(r"launch\.py profile: steps 2-3: ([\d.]+) ms per step \(host wall\)", out)
+    assert len(summary) == 2 and all(float(ms) > 0 for ms in summary), out[-3000:]
+    assert "aten::" in out.split("launch.py profile: steps 2-3")[1]
     rc, out, compiled = train("llama3_tiny_comera", 3, tmp_path / "compiled", "--compile.enable")
     assert rc == 0, out[-3000:]
     # each of the 2 blocks: its 5 Linears lowered by the comera passes inside Inductor (both ranks log it)

@@ -20,6 +20,10 @@ end_to_end_s X data_loading_s Y``: the mean seconds per step since the last log 
 of it spent waiting for the data loader (torchtitan measures both and hands them only to tensorboard
 or wandb); ``summarize.py`` reads them.
 
+``--profile-steps A:B``: torch's profiler around training steps A to B-1 (counted from 1), then a table of
+the ops by their own device time (CPU time on the CPU), the kernels launched per step, and the step's
+host and device seconds, printed after ``launch.py profile:``.
+
 Always: torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13.0 lacks; where it is
 missing it is defined from torch's ``_set_pg_timeout`` (:func:`_set_timeout_shim`).
 """
@@ -164,6 +168,51 @@ def _timing_lines() -> None:
     MetricsProcessor._build_metric_logger = _build_metric_logger
 
 
+def _profile_steps(first: int, end: int) -> None:
+    """Profile training steps ``first`` .. ``end - 1`` (see the module's docstring)."""
+    import time
+
+    import torch
+    from torchtitan.trainer import Trainer
+
+    if not 1 <= first < end:
+        raise SystemExit(f"launch.py --profile-steps {first}:{end}: needs 1 <= A < B")
+    step_fn = Trainer.train_step
+    state = {"step": 0, "prof": None, "t0": 0.0}
+
+    def train_step(self, *args, **kwargs):
+        state["step"] += 1
+        if state["step"] == first:
+            cuda = torch.cuda.is_available()
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"] = torch.profiler.profile(activities=activities)
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        out = step_fn(self, *args, **kwargs)
+        if state["step"] == end - 1 and state["prof"] is not None:
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - state["t0"]) / (end - first)
+            prof, state["prof"] = state["prof"], None
+            prof.__exit__(None, None, None)
+            events = prof.key_averages()
+            sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+            kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+            device_us = sum(getattr(e, "self_device_time_total", 0) for e in events
+                            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+            print(f"launch.py profile: steps {first}-{end - 1}: {wall * 1e3:.1f} ms per step (host wall), "
+                  f"device busy {device_us / 1e3 / (end - first):.1f} ms per step, "
+                  f"{kernels / (end - first):.0f} kernels per step", flush=True)
+            for line in events.table(sort_by=sort, row_limit=30).splitlines():
+                print(f"launch.py profile: {line}", flush=True)
+        return out
+
+    Trainer.train_step = train_step
+
+
 def main(argv: list[str]) -> None:
     _set_timeout_shim()
     _fsdp_mesh_dims_shim()
@@ -180,12 +229,23 @@ def main(argv: list[str]) -> None:
     timing = "--timing-lines" in argv
     if timing:
         argv.remove("--timing-lines")
+    profile = None
+    if "--profile-steps" in argv:
+        i = argv.index("--profile-steps")
+        try:
+            profile = tuple(int(v) for v in argv[i + 1].split(":"))
+            assert len(profile) == 2
+        except (IndexError, ValueError, AssertionError):
+            raise SystemExit("launch.py --profile-steps takes A:B (profile steps A to B-1), e.g. 20:25") from None
+        del argv[i:i + 2]
     sys.path.insert(0, HERE)
     sys.argv = [sys.argv[0], *argv]
     if cpu:
         _gloo_sum_reductions()
     if timing:
         _timing_lines()
+    if profile:
+        _profile_steps(*profile)
     from torchtitan.train import main as titan_main
 
     titan_main()

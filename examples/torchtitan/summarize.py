@@ -1,5 +1,8 @@
 """Read torchtitan's step lines from OUT/<variant>.log; write OUT/summary.json and OUT/loss.png.
 
+Tokens/s: the median of torchtitan's logged rates past step 10 (past compilation; a profiled step, see
+``launch.py --profile-steps``, moves a median less than a mean).
+
     python summarize.py OUT dense_ce dense fused comera
 
 Each variant's step time and peak memory are also given against the dense run (``dense_ce``, else
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +38,7 @@ def parse(path: Path) -> dict:
     later = [s for s in steps if s["step"] > 10] or steps  # past compilation / warm-up
     times = [t for t in timing if t["step"] > 10] or timing
     return {"steps": steps, "completed": steps[-1]["step"] if steps else 0,
-            "tokens_per_s": sum(s["tps"] for s in later) / len(later) if later else None,
+            "tokens_per_s": _median([s["tps"] for s in later]),
             "peak_memory_gib": max((s["memory_gib"] for s in steps), default=None),
             "final_loss": steps[-1]["loss"] if steps else None,
             "comera_rewrites_per_graph": rewrites,
@@ -43,8 +47,7 @@ def parse(path: Path) -> dict:
 
 
 def _median(values: list[float]) -> float | None:
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
+    return statistics.median(values) if values else None
 
 
 DENSE = ("dense_ce", "dense")  # the dense references, in order of preference
