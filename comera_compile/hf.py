@@ -135,18 +135,17 @@ def _checkpointing_scope(compiled: Any) -> Any:
     checkpointed layer eagerly: no tensor-train lowering, no fused loss. The setting applies to this
     model's calls only."""
 
-    if not hasattr(torch._dynamo.config, _SKIP_SIDE_EFFECTS):  # a torch without the setting
+    from comera_compile.inductor import checkpoint_side_effects_scope
+
+    if checkpoint_side_effects_scope() is None:  # a torch without the setting
         return compiled
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(**{_SKIP_SIDE_EFFECTS: True}):
+        with checkpoint_side_effects_scope():
             return compiled(*args, **kwargs)
 
     return call
-
-
-_SKIP_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 _fused_loss = fused_loss  # compile's parameter of the same name shadows the function there
@@ -207,8 +206,7 @@ def _dropping_logits(func: Any) -> Any:
     @functools.wraps(func)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         training = self.training and torch.is_grad_enabled()
-        if training and takes_use_cache and "use_cache" not in kwargs \
-                and getattr(self, "is_gradient_checkpointing", False):
+        if training and takes_use_cache and "use_cache" not in kwargs and _checkpointing(self):
             # what transformers sets itself under gradient checkpointing, but after a logging call
             # that Dynamo cannot trace (a graph break before every checkpointed layer)
             kwargs["use_cache"] = False
@@ -216,6 +214,15 @@ def _dropping_logits(func: Any) -> Any:
         return without_logits(output, kwargs.get("labels") is not None) if training else output
 
     return forward
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether transformers' activation checkpointing is on for ``model``: its ``is_activation_checkpointing``
+    (``is_gradient_checkpointing`` before transformers 5.x named it so; since then that alias warns, and a
+    warning inside a compiled forward breaks the graph)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 
 def without_logits(output: Any, has_loss: bool = True) -> Any:

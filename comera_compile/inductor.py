@@ -273,6 +273,7 @@ class InductorPasses:
         self._installed: Any = None
         self._previous: Any = None
         self._patch: Any = None
+        self._dynamo_patch: Any = None
 
     @property
     def active(self) -> bool:
@@ -314,6 +315,9 @@ class InductorPasses:
                 self._patch.__enter__()
         except AttributeError as exc:  # Inductor's config has no such key
             raise OptionsError(f"option 'inductor_config': {exc}") from exc
+        self._dynamo_patch = checkpoint_side_effects_scope()
+        if self._dynamo_patch is not None:
+            self._dynamo_patch.__enter__()
         self._previous = current
         # another pre-grad pass already installed (yours, a framework's): it runs first, on Dynamo's
         # graph as it would without us, then ours
@@ -350,6 +354,8 @@ class InductorPasses:
                                "only the comera pass was taken out of it")
             if self._patch is not None:
                 self._patch.__exit__(None, None, None)
+            if self._dynamo_patch is not None:
+                self._dynamo_patch.__exit__(None, None, None)
             if self in _open:
                 _open.remove(self)
 
@@ -362,6 +368,21 @@ class InductorPasses:
     def __repr__(self) -> str:
         state = "on" if self.active else "off"
         return f"<comera passes in Inductor ({state}), {len(self.graph_reports)} graph(s) run>"
+
+
+_SKIP_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def checkpoint_side_effects_scope() -> Any:
+    """Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` on, for the scope (None on a torch
+    without the setting): activation-checkpointed layers that set context variables in their forward
+    (transformers' layers under ``gradient_checkpointing``: its hub-kernels layer, output capturing) are
+    then traced with the rest, those side effects not replayed in the recompute; without it Dynamo runs
+    every such layer eagerly, so no pass sees it (no tensor-train lowering, no fused loss) and nothing
+    says so. ``cc.hf.compile`` sets the same for its model's calls."""
+    if not hasattr(torch._dynamo.config, _SKIP_SIDE_EFFECTS):
+        return None
+    return torch._dynamo.config.patch(**{_SKIP_SIDE_EFFECTS: True})
 
 
 def _up_front_settings(opts: CompileOptions) -> dict[str, Any]:
@@ -392,7 +413,10 @@ def use_with_inductor(options: Any = None) -> InductorPasses:
     ``options`` are the backend's (:class:`~comera_compile.CompileOptions`), validated at once (a bad key
     or value, or an unknown pass name, raises :class:`~comera_compile.OptionsError`); ``inner`` must be
     ``"inductor"``. ``cudagraphs``, ``max_autotune`` and ``inductor_config`` are applied to Inductor's
-    config for the whole scope. Turning it on again with the same options shares the installed pass;
+    config for the whole scope, and Dynamo traces activation-checkpointed layers whose forward sets
+    context variables (transformers' ``gradient_checkpointing``) instead of running them eagerly: such a
+    side effect is not replayed in the backward's recompute (Dynamo's
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``). Turning it on again with the same options shares the installed pass;
     with other options it raises ``RuntimeError``. A pre-grad pass installed before it keeps running,
     before ours. Only compiles made while it is on are rewritten: a graph compiled before keeps its
     compiled code (``torch._dynamo.reset()`` drops it), and one compiled inside keeps its rewrites after.

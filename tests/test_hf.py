@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 import json
 import shutil
 
@@ -831,3 +832,18 @@ def test_from_pretrained_with_another_architectures_class_names_both(tmp_path):
     want = model.eval()(ids).logits
     for cls in (transformers.LlamaForCausalLM, transformers.AutoModelForCausalLM):
         torch.testing.assert_close(cc.hf.from_pretrained(cls, tmp_path)(ids).logits, want)
+
+
+def test_the_fused_loss_forward_reads_checkpointing_without_transformers_deprecation_warning():
+    """The forward cc.hf.fused_loss installs asks whether checkpointing is on (to set use_cache=False as
+    transformers does) through the property transformers has now: its deprecated alias warns, and a
+    warning inside a compiled forward breaks the graph."""
+    model = cc.hf.fused_loss(make_model("llama"))
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(input_ids=ids, labels=ids)
+    assert out.logits is None and out.loss is not None
+    assert not [w for w in caught if "checkpointing" in str(w.message)], [str(w.message) for w in caught]

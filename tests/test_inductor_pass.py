@@ -397,6 +397,46 @@ def test_trainer_with_torch_compile_gets_the_fused_loss(tmp_path):
 
 
 @pytest.mark.usefixtures("no_inductor_caches")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_trainer_with_torch_compile_lowers_the_tt_layers_and_fuses_the_loss(checkpointing, tmp_path):
+    """Trainer(torch_compile=True) on a tensorized model inside use_with_inductor: one training graph
+    with the TT layers lowered and the head's loss fused, with TrainingArguments(gradient_checkpointing=
+    True) too (whose checkpointed layers Dynamo ran eagerly, unseen by any pass, before use_with_inductor
+    let it trace them: 5 graphs, 0 rewrites, nothing said); the step losses match an eager Trainer run
+    with the same settings; Dynamo's setting is back as it was after the block."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from test_hf import _lm_rows, _step_losses, _train_args, make_model
+
+    rows = _lm_rows()
+    args = dict(gradient_checkpointing=True) if checkpointing else {}
+
+    def tensorized():
+        model = make_model("llama")
+        cc.tensorize_(model, cc.TTConfig(rank=4, min_size=0), filter_fn=lambda m, fqn: ".mlp." in fqn)
+        return model
+
+    def train(model, **more):
+        trainer = transformers.Trainer(model=model, args=_train_args(tmp_path, max_steps=2, **args, **more),
+                                       train_dataset=rows)
+        trainer.train()
+        return _step_losses(trainer)
+
+    want = train(tensorized())
+    setting = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    before = getattr(torch._dynamo.config, setting, None)
+    torch._dynamo.reset()
+    with cc.use_with_inductor(OPTIONS) as passes:
+        losses = train(cc.hf.fused_loss(tensorized()), torch_compile=True)
+    assert getattr(torch._dynamo.config, setting, None) == before
+    torch.testing.assert_close(losses, want, rtol=1e-4, atol=1e-5)
+    training = [g for g in passes.graph_reports if any(r.kind == "cce" for r in g.rewrites)]
+    assert len(training) == 1, str(passes.report)
+    kinds = [(r.kind, r.module) for r in training[0].rewrites]
+    assert ("cce", "lm_head") in kinds and sum(kind == "tt_linear" for kind, _ in kinds) == 3, str(passes.report)
+
+
+@pytest.mark.usefixtures("no_inductor_caches")
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_an_accelerate_loop_compiling_with_inductor_gets_the_rewrites(mixed_precision):
     """A user's own loop with accelerate (``Accelerator(dynamo_backend="inductor")``, which takes no
