@@ -450,11 +450,19 @@ def _show(b: Bracket) -> str:
     return f"G{b + 1}" if isinstance(b, int) else f"({_show(b[0])}·{_show(b[1])})"
 
 
+_SI = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0))
+
+
 def _si(x: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.3g}"
+    """``x`` to three significant digits with an SI prefix, never in exponent notation: "16.1G", "999M",
+    "1G" for 999.7e6 (which rounds up to the next prefix), "5000T"."""
+    for i, (unit, scale) in enumerate(_SI):
+        if abs(x) >= scale or not unit:
+            v = x / scale
+            if abs(v) < 999.5:
+                return f"{v:.3g}{unit}"
+            return f"{v / 1000:.3g}{_SI[i - 1][0]}" if i > 0 else f"{v:.0f}{unit}"
+    raise AssertionError("unreachable")
 
 
 class _Costing:
