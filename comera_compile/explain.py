@@ -77,7 +77,6 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
     # A module compiled in place would run its own compiled call inside this one (and answer from
     # that call's cache): explain traces the module's plain call instead, for this run only.
     in_place = target.__dict__.get("_compiled_call_impl") if isinstance(target, nn.Module) else None
-    breaks_before = _graph_break_counts()
     try:
         if in_place is not None:
             target._compiled_call_impl = None
@@ -86,7 +85,6 @@ def explain(model: Any, *example_args: Any, options: Any = None, **example_kwarg
     finally:
         if in_place is not None:
             target._compiled_call_impl = in_place
-    report.graph_breaks = _new_graph_breaks(breaks_before)
     _use_user_names(report, _wrapper_prefix(target))
     _note_separated_losses(report)
     return report
@@ -116,23 +114,6 @@ def _use_user_names(report: Report, prefix: str) -> None:
             record.module = record.module[len(prefix):] or None
 
 
-def _graph_break_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"])
-
-
-def _new_graph_breaks(before: dict[str, int]) -> list[str]:
-    """Dynamo's graph-break reasons recorded since ``before``: the first line, and the debug
-    context line that names the call, each with its count."""
-    found = []
-    for reason, count in _graph_break_counts().items():
-        if count > before.get(reason, 0):
-            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
-            context = [line for line in lines[1:] if line.startswith("Developer debug context")]
-            text = "; ".join(lines[:1] + context)
-            found.append(f"{text[:300]} (x{count - before.get(reason, 0)})")
-    return found
 
 
 def _note_separated_losses(report: Report) -> None:

@@ -139,16 +139,41 @@ class collecting:
             trainer.train()
         print(report)   # what the backend did to each graph it compiled
 
-    Unlike :func:`comera_compile.explain` it runs nothing itself and records no graph breaks; a
-    graph compiled before the block (or not recompiled inside it) is not in the report.
+    Unlike :func:`comera_compile.explain` it runs nothing itself. ``report.graph_breaks`` lists
+    Dynamo's graph breaks while the block ran (its counters are the process's: a compile in another
+    thread meanwhile counts too); a graph compiled before the block (or not recompiled inside it) is
+    not in the report.
     """
 
     def __init__(self, report: Report | None = None) -> None:
         self.report = Report() if report is None else report
+        self._breaks_before: dict[str, int] = {}
 
     def __enter__(self) -> Report:
+        self._breaks_before = graph_break_counts()
         _collectors.stack.append(self.report)
         return self.report
 
     def __exit__(self, *exc: Any) -> None:
         _collectors.stack.remove(self.report)
+        self.report.graph_breaks.extend(new_graph_breaks(self._breaks_before))
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's graph-break counters now: reason -> count."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def new_graph_breaks(before: dict[str, int]) -> list[str]:
+    """Dynamo's graph-break reasons recorded since ``before`` (:func:`graph_break_counts`): the first
+    line, and the debug context line that names the call, each with its count."""
+    found = []
+    for reason, count in graph_break_counts().items():
+        if count > before.get(reason, 0):
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            context = [line for line in lines[1:] if line.startswith("Developer debug context")]
+            text = "; ".join(lines[:1] + context)
+            found.append(f"{text[:300]} (x{count - before.get(reason, 0)})")
+    return found

@@ -174,3 +174,25 @@ def test_keyword_only_loss_left_alone_is_reported_not_crashed():
     report = cc.explain(f, h, W, y, options={"inner": "eager", "cce_min_vocab": 0})
     assert any("alpha" in s.reason for s in report.skipped), str(report)
     torch.testing.assert_close(report.output, f(h, W, y))
+
+
+def test_collecting_records_the_graph_breaks_of_its_block():
+    """cc.report.collecting() around a compiled call lists Dynamo's graph breaks there (as explain does),
+    and none for a block without any."""
+    import comera_compile.report as report_mod
+
+    def breaks(x):
+        y = torch.relu(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+    compiled = torch.compile(breaks, backend="comera")
+    torch._dynamo.reset()
+    with report_mod.collecting() as report:
+        out = compiled(torch.randn(4))
+    assert out.shape == (4,)
+    assert len(report.graph_reports) == 2 and report.graph_breaks, str(report)
+    assert "graph break" in str(report)
+    with report_mod.collecting() as quiet:
+        torch.compile(lambda x: x + 1, backend="comera")(torch.randn(4))
+    assert quiet.graph_breaks == []
