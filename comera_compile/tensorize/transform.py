@@ -556,14 +556,59 @@ def tensorize_(
 
 
 def _warn_if_pretrained_weights_are_dropped(model: nn.Module, plans: list) -> None:
-    """A model loaded with weights (transformers' ``from_pretrained`` records where from) whose layers
-    get ``init="random"`` cores loses those weights: say so, and how to keep them (``init="svd"``)."""
+    """Layers whose weights ``init="random"`` cores would replace while the weights hold something
+    learned lose it: say so, and how to keep it (``init="svd"``). Learned: the model was loaded with
+    weights (transformers' ``from_pretrained`` records where from), or a weight looks trained
+    (:func:`_looks_trained`, checked on the first ``_TRAINED_CHECKS`` of those layers)."""
+    random = [plan for plan in plans if plan.config.init != "svd"]
+    if not random:
+        return
+    names = _names([f for plan in random for f, _ in plan.modules])
+    dropped = [plan.modules[0] for plan in random]  # a tie's modules share one weight
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    dropped = [f for plan in plans if plan.config.init != "svd" for f, _ in plan.modules]
-    if source and dropped:
+    if source:
         warnings.warn(f"tensorize_: this model was loaded from {source!r}, and TTConfig(init='random') replaces the "
-                      f"loaded weights of {_names(dropped)} with new random cores (what they learned is lost). "
+                      f"loaded weights of {names} with new random cores (what they learned is lost). "
                       "TTConfig(init='svd') factors the loaded weights instead.", UserWarning, stacklevel=3)
+        return
+    for fqn, module in dropped[:_TRAINED_CHECKS]:
+        ratio = _looks_trained(getattr(module, "weight", None))
+        if ratio is not None:
+            warnings.warn(f"tensorize_: the weight of '{fqn}' looks trained (its largest singular value is "
+                          f"{ratio:.2f}x that of a random matrix of its shape and std; a freshly initialized one is "
+                          f"near 1x), and TTConfig(init='random') replaces the weights of {names} with new random "
+                          "cores (what they learned is lost). TTConfig(init='svd') factors the current weights "
+                          "instead.", UserWarning, stacklevel=3)
+            return
+
+
+_TRAINED_CHECKS = 8  # layers checked for a trained look, at most (a few power iterations each)
+_TRAINED_RATIO = 1.3  # fresh i.i.d. inits (uniform, normal, any std) measure 0.92-1.09 down to 4 x 4
+
+
+def _looks_trained(weight: object) -> float | None:
+    """``weight``'s largest singular value over ``std * (sqrt(m) + sqrt(n))``, the largest of an
+    m x n matrix of i.i.d. entries of that std (the Marchenko-Pastur edge), when it is at least
+    ``_TRAINED_RATIO``: training gives weights directions far stronger than that; else None (also for
+    weights it cannot read: meta, distributed tensors, constant). Power iteration from below, so it
+    never overstates the ratio."""
+    if type(weight) not in (torch.Tensor, nn.Parameter) or weight.is_meta or weight.dim() < 2 or weight.numel() < 16:
+        return None
+    with torch.no_grad():
+        w = weight.detach().float().reshape(weight.shape[0], -1)
+        std = float(w.std())
+        if not std > 0 or not math.isfinite(std):
+            return None
+        v = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device)
+        top = 0.0
+        for _ in range(12):
+            u = w @ v
+            u = u / u.norm().clamp_min(1e-30)
+            v = w.T @ u
+            top = float(v.norm())
+            v = v / max(top, 1e-30)
+        ratio = top / (std * (math.sqrt(w.shape[0]) + math.sqrt(w.shape[1])))
+    return ratio if ratio >= _TRAINED_RATIO else None
 
 
 def _names(fqns: list[str], limit: int = 8) -> str:

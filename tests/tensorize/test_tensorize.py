@@ -912,3 +912,33 @@ def test_random_cores_over_loaded_weights_are_warned_about(tmp_path):
             warnings.simplefilter("always")
             cc.tensorize_(model, config, **pick)
         assert not [w for w in seen if "loaded from" in str(w.message)]
+
+
+def test_random_cores_over_trained_weights_are_warned_about():
+    """A plain model trained in the user's own loop (no from_pretrained to say so), tensorized with the
+    default init='random', loses what it learned: the warning names the layer that looks trained and
+    init='svd'. The same model fresh, or factored with init='svd', gets no such warning."""
+    import comera_compile as cc
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+
+    trained = mlp()
+    x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(1))
+    y = (x[:, :4].sum(1) > 0).long()
+    opt = torch.optim.Adam(trained.parameters(), 1e-3)
+    for step in range(200):
+        batch = slice(step % 16 * 128, (step % 16 + 1) * 128)
+        loss = nn.functional.cross_entropy(trained(x[batch]), y[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pick = dict(filter_fn=lambda m, fqn: fqn == "2")
+    with pytest.warns(UserWarning, match=r"weight of '2' looks trained .*init='svd'"):
+        cc.tensorize_(trained, cc.TTConfig(rank=4, min_size=0), **pick)
+    for model, config in ((mlp(), cc.TTConfig(rank=4, min_size=0)), (mlp(), cc.TTConfig(rank=4, min_size=0, init="svd"))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cc.tensorize_(model, config, **pick)
+        assert not [w for w in seen if "looks trained" in str(w.message)], [str(w.message) for w in seen]
