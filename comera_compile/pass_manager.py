@@ -45,10 +45,6 @@ class PassContext:
         self.report.rewrites.append(RewriteRecord(kind, module, detail, self.report.index))
         logger.info("rewrite [%s] %s: %s", kind, module, detail)
 
-    def tt_sites(self) -> int:
-        """Tensor-train layers lowered into this graph so far."""
-        return sum(r.kind in ("tt_linear", "tt_embedding") for r in self.report.rewrites)
-
     def request_cudagraphs(self, reason: str) -> None:
         """Ask for CUDA graphs for this graph, saying why (e.g. a pass lowered layers into many small
         kernels, which make a step launch-bound without them). The ``cudagraphs`` option, when set,

@@ -222,7 +222,7 @@ def _make(spec: Optional[dict], device: torch.device, high: int, gen: torch.Gene
 
 def run_job(job: dict) -> None:
     """Call the job's op forward and backward once (what compiles its kernels)."""
-    import comera_compile  # noqa: F401  (defines the ops)
+    import comera_compile.kernels.linear_cross_entropy  # noqa: F401  (defines the op)
 
     if job["op"] != "linear_cross_entropy":
         raise ValueError(f"unknown precompile job {job['op']!r}")

@@ -164,7 +164,7 @@ def test_old_paths_still_import():
     assert planner.plan_tt_linear is new_planner.plan_tt_linear is cc.plan_tt_linear
     assert planner.H200 is new_planner.H200 and planner.clear_plan_cache is new_planner.clear_plan_cache
     assert tt_runtime.group_outputs is runtime.group_outputs and optim.param_groups is new_optim.param_groups
-    assert tt.TTSpec is cc.TTSpec and tt.cap_ranks and tt.spec_from_cores
+    assert tt.TTSpec is cc.TTSpec and tt.cap_ranks and tt.TTSpec.from_cores
     tensorize = importlib.import_module("comera_compile.tensorize")
     for name in ("CompressionReport", "LayerReport", "SkippedLayer", "TTConfig", "TTLayer", "TTParametrization",
                  "TTSpec", "compression_report", "densify_", "iter_tt_layers", "require_unsharded",

@@ -51,20 +51,27 @@ def test_compiling_and_compiled_lines_at_info(caplog):
 
 
 def test_backward_compile_is_logged(caplog):
-    """AOTAutograd compiles the backward after the backend returned: the inner compiler says when."""
+    """AOTAutograd compiles the backward after the backend returned, at the first backward: the log
+    says when, after the forward's lines."""
     import logging
 
-    from comera_compile.backend import _timed_backward
+    import torch
+    import torch.nn.functional as F
 
-    calls = []
-    inner = _timed_backward(lambda *a, **k: calls.append(k) or "compiled", 3)
+    lin = torch.nn.Linear(4, 7)
+    fn = torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="comera", options={"cce_min_vocab": 0})
+    torch._dynamo.reset()
     with caplog.at_level(logging.INFO, logger="comera_compile"):
-        assert inner("gm", [], is_backward=False) == "compiled"
-        assert inner("gm", [], is_backward=True) == "compiled"
+        loss = fn(torch.randn(3, 4), torch.tensor([0, 1, 2]))
+        forward_only = [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
+        loss.backward()
     messages = [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
-    assert messages == ["comera: compiling graph 3's backward", messages[1]]
-    assert messages[1].startswith("comera: graph 3's backward compiled in ")
-    assert [k["is_backward"] for k in calls] == [False, True]
+    backward = [m for m in messages if "backward" in m and m not in forward_only]
+    assert not [m for m in forward_only if "'s backward" in m], forward_only
+    assert len(backward) == 2, messages
+    assert backward[0].startswith("comera: compiling graph ") and backward[0].endswith("'s backward")
+    assert backward[1].startswith("comera: graph ") and "'s backward compiled in " in backward[1]
+    assert lin.weight.grad is not None
 
 
 def test_nothing_printed_by_default():

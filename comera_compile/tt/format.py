@@ -68,7 +68,6 @@ __all__ = [
     "rank_bounds",
     "ranks_from_shapes",
     "join_flat",
-    "spec_from_cores",
     "split_flat",
     "tt_svd",
 ]
@@ -530,14 +529,6 @@ def arrange_modes(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int]):
 # ----------------------------------------------------------------------------------------------
 # Contraction (the torch reference of comera::tt_materialize) and its vector-Jacobian product
 # ----------------------------------------------------------------------------------------------
-
-
-def spec_from_cores(
-    cores: Sequence[torch.Tensor], fmt: str, row_modes, col_modes, rows: int, cols: int,
-    transpose: bool,
-) -> TTSpec:
-    """:meth:`TTSpec.from_cores` (the spec whose ranks are read off the cores' shapes)."""
-    return TTSpec.from_cores(cores, fmt, row_modes, col_modes, rows, cols, transpose)
 
 
 def join_flat(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], *,
