@@ -9,5 +9,11 @@ from comera_compile.tt.planner import *  # noqa: F401,F403
 
 __all__ = list(_new.__all__)
 
+
+def __getattr__(name: str):
+    """The names the new module keeps only behind its own deprecation (``DeviceModel``, ``H200``)."""
+    return getattr(_new, name)
+
+
 warnings.warn("comera_compile.planner is deprecated and will be removed in the next release: import comera_compile.tt.planner "
               "(the same names)", DeprecationWarning, stacklevel=2)

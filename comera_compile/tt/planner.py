@@ -63,9 +63,7 @@ from comera_compile.tt.format import TTSpec
 __all__ = [
     "Bracket",
     "Cut",
-    "DeviceModel",
     "GemmStep",
-    "H200",
     "Phase",
     "PlanKind",
     "Strategy",
