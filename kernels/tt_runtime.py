@@ -1,6 +1,12 @@
 """The TT executor: what a tensor-train layer computes, shared by eager calls and compiled graphs;
 and ``comera::tt_index_split``, the embedding lookup's range check.
 
+The executor's ops live in their own modules: the merges of a layer group as one opaque op
+(``comera::tt_group_merge``, :func:`~comera_compile.kernels.tt_group_merge.group_outputs_opaque`) in
+:mod:`comera_compile.kernels.tt_group_merge`, which builds on the stacked merges here
+(:func:`group_stacked`, :func:`merge_args`, :func:`stacked_layout`); a btt layer's blocks path
+(``comera::btt_blocks``) in :mod:`comera_compile.kernels.btt_blocks`.
+
 Everything here is plain, differentiable torch, so the same functions serve three callers:
 
 * the ``tensor_network`` pass puts calls to them into the Dynamo graph (AOTAutograd then traces them:
@@ -44,14 +50,16 @@ import torch
 
 from comera_compile.tt.format import TTSpec, chain_modes, join_flat, materialize, split_flat
 from comera_compile.tt.planner import Bracket, Cut
-from comera_compile.kernels import btt_swap as _btt_swap_op  # noqa: F401 (defines comera::btt_swap)
+from comera_compile.kernels import btt_blocks as _btt_blocks_op  # noqa: F401 (defines comera::btt_blocks)
 
 if TYPE_CHECKING:
     from comera_compile.tt.planner import TTPlan
 
 __all__ = ["OUTPUTS", "Output", "btt_linear", "btt_linear_shared", "btt_weight", "chain_modes", "ttm_contract", "group_outputs",
-           "group_outputs_opaque", "layer_outputs", "layer_spec",
+           "layer_outputs", "layer_spec",
            "lookup", "project"]
+# Not in __all__, shared with the op modules beside this one (kernels/tt_group_merge.py): stack_flats,
+# group_stacked, per_layer, static_shape, stacked_layout, merge_args, read_args, hashable_args.
 
 #: What :func:`group_outputs` returns per layer (see there).
 Output = Literal["factors", "factors_t", "dense", "dense_t", "tables"]
@@ -95,7 +103,7 @@ def layer_spec(op: str, cores: Sequence[torch.Tensor], gates: Sequence[torch.Ten
 
 
 def _no_autocast(t: torch.Tensor):
-    if t.device.type == "meta":  # shapes only (:func:`_stacked_layout`): autocast has no meta device
+    if t.device.type == "meta":  # shapes only (:func:`stacked_layout`): autocast has no meta device
         import contextlib
 
         return contextlib.nullcontext()
@@ -107,10 +115,10 @@ def _stacked_chain(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torc
     """Per core position: the K layers' cores as [K, r, s, r] (s = m * n), each gate folded into its
     left core, in ``dtype``. The layers' flat storages are stacked once ([K, numel]); every core is a
     strided view of that stack, so the whole group costs one stack per storage, not one per core."""
-    return _chain_of_stack(_stack(core_flats), _stack(gate_flats), modes, ranks, dtype)
+    return _chain_of_stack(stack_flats(core_flats), stack_flats(gate_flats), modes, ranks, dtype)
 
 
-def _stack(flats: Sequence[torch.Tensor]) -> torch.Tensor:
+def stack_flats(flats: Sequence[torch.Tensor]) -> torch.Tensor:
     """The K layers' flat storages as one [K, numel] tensor (a view for one layer)."""
     return torch.stack(list(flats)) if len(flats) > 1 else flats[0][None]
 
@@ -120,10 +128,10 @@ def _chain_of_stack(cores: torch.Tensor, gates: torch.Tensor, modes: Sequence[tu
     """:func:`_stacked_chain` of storages already stacked, ``cores`` [K, numel] and ``gates`` [K, n_gates].
 
     The cores are slices of the storage, or with ``split`` the pieces of one ``torch.split``. The two
-    differ only in their backward: run eagerly (the opaque merges' op), a slice's backward is a
-    zero-filled copy of the whole storage per core, summed, a split's one concatenation (on the CPU's
-    small Llama model, 689 -> 570 ops a step); traced by Inductor, the slices' backward fuses into
-    fewer kernels than the concatenation (644 against 683 generated for the six-encoder model)."""
+    differ only in their backward: a slice's backward is a zero-filled copy of the whole storage per
+    core, summed, a split's one concatenation. Slices are the default: traced by Inductor their backward
+    fuses into fewer kernels. The split is for a backward run eagerly (the opaque merges' backward op),
+    where it takes fewer ops."""
     K, d = cores.shape[0], len(modes)
     pieces = _cut(cores, [ranks[k] * m * n * ranks[k + 1] for k, (m, n) in enumerate(modes)], split)
     bond_gates = _cut(gates, list(ranks[1:d]), split)
@@ -192,11 +200,11 @@ def group_outputs(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch
         raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
     if spec.fmt == "btt" and output not in ("dense", "dense_t"):
         raise ValueError(f"group_outputs: a btt layer gives output 'dense' or 'dense_t', got {output!r}")
-    return _per_layer(*_group_stacked(_stack(core_flats), _stack(gate_flats), spec, plan, output, dtype))
+    return per_layer(*group_stacked(stack_flats(core_flats), stack_flats(gate_flats), spec, plan, output, dtype))
 
 
-def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan: Union[Cut, "TTPlan"],
-                   output: Output, dtype: torch.dtype, split: bool = False) -> tuple[torch.Tensor, ...]:
+def group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan: Union[Cut, "TTPlan"],
+                  output: Output, dtype: torch.dtype, split: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`group_outputs` of the stacked storages ``cores`` [K, numel] and ``gates`` [K, n_gates]:
     each of the output's tensors stacked over the K layers ([K, ...]; layer k's is index k).
     ``split``: the cores cut from the storage by one split (:func:`_chain_of_stack`; for eager autograd)."""
@@ -226,23 +234,23 @@ def _group_stacked(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _stacked_layout(args: tuple, cores: tuple[tuple[int, ...], torch.dtype],
-                    gates: tuple[tuple[int, ...], torch.dtype]) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]:
-    """(shape, stride, dtype) of each tensor :func:`_group_stacked` returns for stacked storages of
-    these (shape, dtype) and merge arguments (:func:`_merge_args`, lists as tuples), computed once on the meta
+def stacked_layout(args: tuple, cores: tuple[tuple[int, ...], torch.dtype],
+                   gates: tuple[tuple[int, ...], torch.dtype]) -> tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]:
+    """(shape, stride, dtype) of each tensor :func:`group_stacked` returns for stacked storages of
+    these (shape, dtype) and merge arguments (:func:`merge_args`, lists as tuples), computed once on the meta
     device with every dispatch mode off. Fake propagation (the pass's, AOTAutograd's, Inductor's) then costs
-    one allocation per output instead of running the merges' ~50 ops under a fake mode each time."""
+    one allocation per output instead of running the merges under a fake mode each time."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    spec, cut, output, dtype = _read_args(*args)
+    spec, cut, output, dtype = read_args(*args)
     with _disable_current_modes():
         c = torch.empty(cores[0], dtype=cores[1], device="meta")
         g = torch.empty(gates[0], dtype=gates[1], device="meta")
-        outs = _group_stacked(c, g, spec, cut, output, dtype)
+        outs = group_stacked(c, g, spec, cut, output, dtype)
     return tuple((tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs)
 
 
-def _static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+def static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
     """``t``'s shape as ints, or None where a size is symbolic."""
     return tuple(t.shape) if all(isinstance(v, int) for v in t.shape) else None
 
@@ -252,14 +260,14 @@ def group_outputs_like(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[
     """Uninitialised tensors with the shapes, strides, dtypes and device of :func:`group_outputs`'
     (on fake inputs: fake tensors of their mode), views of one stacked tensor per output kind as
     there. For fake propagation; symbolic sizes fall back to :func:`group_outputs` itself."""
-    cores, gates = _static_shape(core_flats[0]), _static_shape(gate_flats[0])
+    cores, gates = static_shape(core_flats[0]), static_shape(gate_flats[0])
     if cores is None or gates is None or spec.fmt == "btt" and output not in ("dense", "dense_t"):
         return group_outputs(core_flats, gate_flats, spec, plan, output, dtype)
     K = len(core_flats)
-    layout = _stacked_layout(_hashable(_merge_args(spec, plan, output, dtype)), ((K, *cores), core_flats[0].dtype),
-                             ((K, *gates), gate_flats[0].dtype))
+    layout = stacked_layout(hashable_args(merge_args(spec, plan, output, dtype)), ((K, *cores), core_flats[0].dtype),
+                            ((K, *gates), gate_flats[0].dtype))
     device = core_flats[0].device
-    return _per_layer(*(torch.empty_strided(shape, stride, dtype=dt, device=device) for shape, stride, dt in layout))
+    return per_layer(*(torch.empty_strided(shape, stride, dtype=dt, device=device) for shape, stride, dt in layout))
 
 
 def _btt_group_weights(cores: torch.Tensor, gates: torch.Tensor, spec: TTSpec, dtype: torch.dtype,
@@ -294,7 +302,7 @@ def _pad_rank(L: torch.Tensor, R: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.nn.functional.pad(L, (0, pad)), torch.nn.functional.pad(R, (0, 0, 0, pad))
 
 
-def _per_layer(*stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def per_layer(*stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Layer k's slices of each stacked tensor, interleaved: ``unbind`` (whose backward is one ``stack``,
     so every layer's gradient lands in one buffer for the batched merge backward)."""
     parts = [t.unbind(0) for t in stacked]
@@ -356,10 +364,9 @@ def btt_linear(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tensor
     (one GEMM per row block ``j``, batched), then ``Y[c] = T[:, :, c, :] @ L[:, c]`` (one per column
     block ``c``, batched). ``x @ Mᵀ`` is the same product with the roles of the cores swapped:
     ``Mᵀ[(c, a), (j, b)] = sum_k L'[c, a, j, k] g[k] R'[k, j, c, b]``, L' and R' permuted views.
-    The two GEMMs and the regrouping between them run as one op, ``comera::btt_blocks``, whose GEMMs
-    read and write the token-major activations in place (strided batches). As plain ops with copies
-    into and out of block-major order the step of the width sweep's d 4096 LM took 46.6 ms and 598
-    kernels, against 40.8 ms and 465 kernels with the op (H200)."""
+    The two GEMMs and the regrouping between them run as one op, ``comera::btt_blocks``
+    (:mod:`comera_compile.kernels.btt_blocks`), whose GEMMs read and write the token-major activations
+    in place (strided batches), so no copy moves them into or out of block-major order."""
     (R, L), gates = split_flat(core_flat, gate_flat, spec)
     rows, cols = spec.rows, spec.cols
     first, second = R, L
@@ -451,10 +458,10 @@ def ttm_contract(x: torch.Tensor, core_flat: torch.Tensor, gate_flat: torch.Tens
         return y if bias is None else y + bias.to(dtype)
 
 
-# ------------------------------------------------------------------ the merges as one opaque op per group
+# ------------------------------------------------------------ the merge ops' arguments (kernels/tt_group_merge.py)
 
 
-def _merge_args(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: torch.dtype) -> tuple:
+def merge_args(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: torch.dtype) -> tuple:
     """What :func:`group_outputs` takes besides the tensors, as the merge ops' arguments: the :class:`TTSpec`'s
     fields (fmt, row_modes, col_modes, ranks, rows, cols, transpose), the cut (its split, and its two merge
     orders as bracket strings, e.g. ``"((0, 1), 2)"``), the output kind and the dtype."""
@@ -463,9 +470,9 @@ def _merge_args(spec: TTSpec, plan: Union[Cut, "TTPlan"], output: str, dtype: to
             output, dtype)
 
 
-def _read_args(*args) -> tuple[TTSpec, Cut, str, torch.dtype]:
-    """:func:`_merge_args` read back (once per distinct arguments: the op runs it at every call)."""
-    return _read_hashable(_hashable(args))
+def read_args(*args) -> tuple[TTSpec, Cut, str, torch.dtype]:
+    """:func:`merge_args` read back (once per distinct arguments: the op runs it at every call)."""
+    return _read_hashable(hashable_args(args))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -481,94 +488,6 @@ def _read_hashable(args: tuple) -> tuple[TTSpec, Cut, str, torch.dtype]:
             Cut(split, bracket(ast.literal_eval(left)), bracket(ast.literal_eval(right))), output, dtype)
 
 
-def _hashable(args: tuple) -> tuple:
+def hashable_args(args: tuple) -> tuple:
+    """:func:`merge_args` with its lists as tuples (a cache key)."""
     return tuple(tuple(a) if isinstance(a, list) else a for a in args)
-
-
-def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``t`` as an op may return it: contiguous, and a copy where it shares storage with an input (a
-    merge of one core can be a view of the stacked storage itself); otherwise ``t`` as it is."""
-    t = t.contiguous()
-    if any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
-        t = t.clone()
-    return t
-
-
-@torch.library.custom_op("comera::tt_group_merge", mutates_args=())
-def _tt_group_merge(cores: torch.Tensor, gates: torch.Tensor, fmt: str, row_modes: list[int], col_modes: list[int],
-                    ranks: list[int], rows: int, cols: int, transpose: bool, split: int, left: str, right: str,
-                    output: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The stacked outputs of :func:`_group_stacked` (``cores`` [K, numel], ``gates`` [K, n_gates]):
-    one tensor per output kind, not one per layer, so the forward copies nothing per layer. The
-    arguments after the tensors: :func:`_merge_args`."""
-    spec, cut, output, dtype = _read_args(fmt, row_modes, col_modes, ranks, rows, cols, transpose, split, left,
-                                          right, output, dtype)
-    return [_fresh(t, (cores, gates)) for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
-
-
-@_tt_group_merge.register_fake
-def _(cores, gates, *args):
-    shapes = _static_shape(cores), _static_shape(gates)
-    if None in shapes:  # symbolic sizes: run the merges on the fake tensors
-        spec, cut, output, dtype = _read_args(*args)
-        return [t.contiguous().clone() for t in _group_stacked(cores, gates, spec, cut, output, dtype)]
-    layout = _stacked_layout(_hashable(args), (shapes[0], cores.dtype), (shapes[1], gates.dtype))
-    return [cores.new_empty(shape, dtype=dt) for shape, _, dt in layout]
-
-
-@torch.library.custom_op("comera::tt_group_merge_backward", mutates_args=())
-def _tt_group_merge_backward(cores: torch.Tensor, gates: torch.Tensor, grads: list[torch.Tensor], fmt: str,
-                             row_modes: list[int], col_modes: list[int], ranks: list[int], rows: int, cols: int,
-                             transpose: bool, split: int, left: str, right: str, output: str,
-                             dtype: torch.dtype) -> list[torch.Tensor]:
-    """The gradients of ``comera::tt_group_merge`` for ``cores`` and ``gates``: its merges recomputed
-    with autograd on (an op's body runs below autograd: the guard puts the autograd keys back)."""
-    spec, cut, output, dtype = _read_args(fmt, row_modes, col_modes, ranks, rows, cols, transpose, split, left,
-                                          right, output, dtype)
-    if not all(hasattr(torch._C, name) for name in ("_ForceDispatchKeyGuard", "_dispatch_tls_local_exclude_set")):
-        raise RuntimeError("tt_merges='opaque' needs torch's dispatch-key guards (torch._C._ForceDispatchKeyGuard), "
-                           "which this torch lacks; compile with options={'tt_merges': 'inductor'}")
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        leaves = [cores.detach().requires_grad_(), gates.detach().requires_grad_()]
-        outs = _group_stacked(leaves[0], leaves[1], spec, cut, output, dtype, split=True)
-        got = torch.autograd.grad(outs, leaves, list(grads), allow_unused=True)
-    return [torch.zeros_like(t) if g is None else _fresh(g, list(grads) + [cores, gates])
-            for t, g in zip(leaves, got)]
-
-
-@_tt_group_merge_backward.register_fake
-def _(cores, gates, grads, *args):
-    return [torch.empty_like(cores), torch.empty_like(gates)]
-
-
-def _merge_setup(ctx, inputs, output) -> None:
-    cores, gates, *args = inputs
-    ctx.args, ctx.shapes = args, [(o.shape, o.dtype) for o in output]
-    ctx.save_for_backward(cores, gates)
-
-
-def _merge_backward(ctx, grads):
-    cores, gates = ctx.saved_tensors
-    # an output kind the loss does not reach may come as None: its gradient is zero
-    grads = [torch.zeros(shape, dtype=dtype, device=cores.device) if g is None else g
-             for g, (shape, dtype) in zip(grads, ctx.shapes)]
-    g_cores, g_gates = torch.ops.comera.tt_group_merge_backward(cores, gates, grads, *ctx.args)
-    return (g_cores, g_gates) + (None,) * len(ctx.args)
-
-
-_tt_group_merge.register_autograd(_merge_backward, setup_context=_merge_setup)
-
-
-def group_outputs_opaque(core_flats: Sequence[torch.Tensor], gate_flats: Sequence[torch.Tensor], spec: TTSpec,
-                         plan: Union[Cut, "TTPlan"], output: Output, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """:func:`group_outputs` as one opaque op forward (``comera::tt_group_merge``) and one backward
-    (``comera::tt_group_merge_backward``, which recomputes the merges): the backend's
-    ``tt_merges="opaque"``, where Inductor generates no kernels for the merges. Same values."""
-    if output not in OUTPUTS:
-        raise ValueError(f"group_outputs: output={output!r}; valid values: {list(OUTPUTS)}")
-    # the storages stacked and the outputs unbound in the graph (one stack per storage, views per layer)
-    stacked = torch.ops.comera.tt_group_merge(_stack(core_flats), _stack(gate_flats),
-                                              *_merge_args(spec, plan, output, dtype))
-    return _per_layer(*stacked)

@@ -66,6 +66,7 @@ from comera_compile.fx_utils import (
     size_hint,
 )
 from comera_compile.kernels import tt_materialize as _tt_materialize_op  # noqa: F401 (defines the op)
+from comera_compile.kernels import tt_group_merge  # defines comera::tt_group_merge (group_outputs_opaque)
 from comera_compile.kernels import tt_runtime
 from comera_compile.tt.format import TTSpec
 from comera_compile.tt.planner import TTPlan, contraction_path, plan_btt_linear, plan_embedding, plan_linear
@@ -345,7 +346,7 @@ def _emit_group(graph: fx.Graph, g: _Group, opaque: bool = False) -> None:
     core_flats = [w.args[0] for w in g.members]
     gate_flats = [w.args[1] for w in g.members]
     dtype = fake(site.node).dtype
-    merge = tt_runtime.group_outputs_opaque if opaque else tt_runtime.group_outputs
+    merge = tt_group_merge.group_outputs_opaque if opaque else tt_runtime.group_outputs
     with graph.inserting_before(g.anchor):
         call = graph.call_function(merge, (
             core_flats, gate_flats, site.spec, site.plan.cut, site.output, dtype))
@@ -594,7 +595,7 @@ def _detail(site: _Site, group: _Group) -> str:
     fmt, shape = site.spec.fmt, _shape(site)
     share = f"; token-independent merges batched with {len(group.members) - 1} other layer(s)" \
         if len(group.members) > 1 else ""
-    if group.call is not None and group.call.target is tt_runtime.group_outputs_opaque:
+    if group.call is not None and group.call.target is tt_group_merge.group_outputs_opaque:
         share += " (the merges one opaque op: tt_merges='opaque', or 'auto' for a 'tt' group)"
     if site.spec.fmt == "btt":  # described as the btt sites of ALONE are, plus the batching
         head, sep, rest = _describe_alone(site).partition("\n")

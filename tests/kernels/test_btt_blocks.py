@@ -155,11 +155,11 @@ def test_pass_contracts_the_tokens_through_a_wide_btt_layer_and_matches_eager(me
                filter_fn=lambda mod, fqn: fqn == "fc")
     (layer,) = iter_tt_layers(eager)
     assert plan_btt_linear(layer.spec, 16).strategy == "blocks"
-    from comera_compile.kernels import btt_swap
+    from comera_compile.kernels import btt_blocks
 
     calls = []
-    forward = btt_swap.current_impl().blocks_forward
-    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append(1) or forward(*a)):
+    forward = btt_blocks.current_impl().blocks_forward
+    with btt_blocks.use_impl(blocks_forward=lambda *a: calls.append(1) or forward(*a)):
         text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_merges=merges)
     assert calls
     assert "btt 2048->2048, blocks [32x64]|[32x64] at rank 4: blocks ~" in text and "other: dense ~" in text
@@ -381,12 +381,12 @@ def _qkv(inplace=False):
 def test_btt_layers_reading_one_input_share_one_blocks_call():
     """Q, K and V on the blocks path (2048 wide, pinned): one btt_blocks call for the three, whose
     column blocks differ (V has half), biases on two; the step matches eager."""
-    from comera_compile.kernels import btt_swap
+    from comera_compile.kernels import btt_blocks
 
     eager = _qkv()
     calls = []
-    forward = btt_swap.current_impl().blocks_forward
-    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append([s.shape[0] for s in a[2]]) or forward(*a)):
+    forward = btt_blocks.current_impl().blocks_forward
+    with btt_blocks.use_impl(blocks_forward=lambda *a: calls.append([s.shape[0] for s in a[2]]) or forward(*a)):
         text = compiled_step_matches_eager(eager, torch.randn(4, 4, 2048), tt_strategy="blocks")
     assert text.count("one batched call with 2 other layer(s) reading the same input") == 3, text
     assert calls and all(c == [32, 32, 16] for c in calls)  # the column blocks of each: one call, all three
@@ -423,12 +423,14 @@ def _op_inputs(case, dtype):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: f"n{c[0]}-{c[1]}x{c[2]}r{c[3]}{'-T' if c[6] else ''}")
-def test_every_op_of_btt_swap_passes_opcheck(case, impl, monkeypatch):
-    """comera::btt_swap, comera::btt_blocks and comera::btt_blocks_backward under torch.library.opcheck:
+def test_every_op_of_the_blocks_path_passes_opcheck(case, impl, monkeypatch):
+    """comera::btt_swap (kernels/btt_swap.py), comera::btt_blocks and comera::btt_blocks_backward
+    (kernels/btt_blocks.py) under torch.library.opcheck:
     each fake's shapes and strides against its real op, the schema, the autograd registration, AOT
     dispatch. Odd shapes, cores, x and the outputs' gradients as transposed views, zero tokens; the
     backward asked for each subset of its gradients. ``"triton"``: the swap kernel (interpreter, fp32)
     runs inside the ops; ``"torch"``: the permute (fp64)."""
+    from comera_compile.kernels import btt_blocks  # noqa: F401 (defines comera::btt_blocks)
     from comera_compile.kernels import btt_swap as mod
 
     calls = []
@@ -542,11 +544,11 @@ def test_a_frozen_btt_layer_lets_its_input_be_written_in_place(input_grad):
 def test_zero_tokens_on_the_blocks_path_match_eager(dynamic, batches):
     """A btt layer on the blocks path (pinned) given no tokens, shape (0, 3, 64): an empty output and
     zero gradients, as eager; under dynamic=True the batch sizes 5, 0, 3 in turn."""
-    from comera_compile.kernels import btt_swap
+    from comera_compile.kernels import btt_blocks
 
     calls = []
-    forward = btt_swap.current_impl().blocks_forward
-    with btt_swap.use_impl(blocks_forward=lambda *a: calls.append(a[0].shape[0]) or forward(*a)):
+    forward = btt_blocks.current_impl().blocks_forward
+    with btt_blocks.use_impl(blocks_forward=lambda *a: calls.append(a[0].shape[0]) or forward(*a)):
         _zero_token_steps(dynamic, batches)
     assert set(calls) >= {b * 3 for b in batches}  # the blocks ran, zero tokens included
 

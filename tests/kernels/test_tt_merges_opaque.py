@@ -14,7 +14,7 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile import explain
-from comera_compile.kernels import tt_runtime
+from comera_compile.kernels import tt_group_merge, tt_runtime
 from comera_compile.options import OptionsError
 from comera_compile.tt import TTSpec, planner
 
@@ -81,10 +81,10 @@ def test_the_ops_pass_opcheck_and_match_group_outputs(spec, output, layers):
     gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
              for _ in range(layers)]
     plan = planner.plan_embedding(spec, 16) if output == "tables" else planner.plan_linear(spec, 16)
-    args = tt_runtime._merge_args(spec, plan, output, torch.float64)
+    args = tt_runtime.merge_args(spec, plan, output, torch.float64)
     stacked = (torch.stack(flats), torch.stack(gates)) if layers > 1 else (flats[0][None], gates[0][None])
     torch.library.opcheck(torch.ops.comera.tt_group_merge, (*stacked, *args))
-    got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, output, torch.float64)
+    got = tt_group_merge.group_outputs_opaque(flats, gates, spec, plan, output, torch.float64)
     want = tt_runtime.group_outputs(flats, gates, spec, plan, output, torch.float64)
     assert len(got) == len(want)
     per_kind = len(got) // layers
@@ -129,8 +129,8 @@ def test_the_merges_fake_layout_is_the_real_one(spec, output, layers, dtype):
     with FakeTensorMode() as mode:
         fakes = [mode.from_tensor(t) for t in flats], [mode.from_tensor(t) for t in gates]
         like = tt_runtime.group_outputs_like(*fakes, spec, cut, output, dtype)
-        opaque = tt_runtime.group_outputs_opaque(*fakes, spec, cut, output, dtype)
-    real_opaque = tt_runtime.group_outputs_opaque(flats, gates, spec, cut, output, dtype)
+        opaque = tt_group_merge.group_outputs_opaque(*fakes, spec, cut, output, dtype)
+    real_opaque = tt_group_merge.group_outputs_opaque(flats, gates, spec, cut, output, dtype)
     assert len(like) == len(want) == len(opaque) == len(real_opaque)
     for a, b in zip(like, want):
         assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
@@ -183,7 +183,7 @@ def test_an_output_kind_the_loss_never_reads_gets_zero_gradient():
     gates = [(torch.rand(sum(spec.gate_sizes), generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
              for _ in range(2)]
     plan = planner.plan_linear(spec, 16)
-    got = tt_runtime.group_outputs_opaque(flats, gates, spec, plan, "factors", torch.float64)
+    got = tt_group_merge.group_outputs_opaque(flats, gates, spec, plan, "factors", torch.float64)
     want = tt_runtime.group_outputs(flats, gates, spec, plan, "factors", torch.float64)
     loss_got = sum((t * t).sum() for t in got[0::2])
     loss_want = sum((t * t).sum() for t in want[0::2])

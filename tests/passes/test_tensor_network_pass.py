@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comera_compile as cc
-from comera_compile.kernels import tt_runtime
+from comera_compile.kernels import tt_group_merge, tt_runtime
 from comera_compile.tensorize import TTConfig, tensorize_
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared writers
@@ -80,7 +80,7 @@ def _calls(report, fn) -> int:
 def _merge_calls(report) -> int:
     """The layer groups' merge calls: plain group_outputs, or the opaque op's wrapper (the default
     tt_merges="auto" makes "tt" groups opaque)."""
-    return _calls(report, tt_runtime.group_outputs) + _calls(report, tt_runtime.group_outputs_opaque)
+    return _calls(report, tt_runtime.group_outputs) + _calls(report, tt_group_merge.group_outputs_opaque)
 
 
 @pytest.mark.parametrize("inner,dynamic", [("eager", False), ("aot_eager", False), ("aot_eager", True),
