@@ -68,7 +68,6 @@ __all__ = [
     "PlanKind",
     "Strategy",
     "TTPlan",
-    "bracket_cores",
     "clear_plan_cache",
     "contraction_path",
     "cut_at",
@@ -217,12 +216,6 @@ def _bracket_cached(spec: TTSpec, lo: int, hi: int):
     shapes = [tuple(sizes[s] for s in i) for i in idx]
     path, info = oe.contract_path(eq, *shapes, shapes=True, optimize="dp")
     return _path_to_bracket(list(range(lo, hi)), path), int(info.opt_cost)
-
-
-def bracket_cores(fmt: str, row_modes: Sequence[int], col_modes: Sequence[int], ranks: Sequence[int],
-                  lo: int, hi: int) -> Bracket:
-    """The cheapest merge order of cores ``lo..hi-1`` (opt_einsum ``dp`` on their sub-network)."""
-    return _bracket_cached(_chain(fmt, row_modes, col_modes, ranks), lo, hi)[0]
 
 
 def cut_at(spec: TTSpec, split: int) -> Cut:

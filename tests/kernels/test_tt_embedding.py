@@ -51,10 +51,9 @@ def _flats(cores, gates):
 
 def _lookup(case, split, idx, cores, gates, padding_idx=None):
     fmt, rm, cm, ranks, rows, cols = case
-    left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
-    right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
+    cut = planner.cut_at(TTSpec(fmt, rm, cm, ranks, rows, cols), split)
     A, B = tt_runtime.group_outputs(*_flats(cores, gates), TTSpec(fmt, rm, cm, ranks, rows, cols),
-                                    planner.Cut(split, left, right), "tables", cores[0].dtype)
+                                    cut, "tables", cores[0].dtype)
     return tt_runtime.lookup(idx, A, B, rows, cols, padding_idx)
 
 

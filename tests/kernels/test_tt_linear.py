@@ -65,12 +65,11 @@ def _flats(cores_per_layer, gates_per_layer):
 def _apply(strategy, output, split, x, cores, gates, b, case, transposed=False):
     """y = x @ M (+ b), or x @ Mᵀ when ``transposed``, through ``group_outputs`` with a forced strategy."""
     fmt, rm, cm, ranks, rows, cols = case
-    left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
-    right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
+    cut = planner.cut_at(TTSpec(fmt, rm, cm, ranks, rows, cols), split)
     if transposed:
         output = {"factors": "factors_t", "dense_t": "dense"}[output]
     parts = tt_runtime.group_outputs(*_flats([cores], [gates]), TTSpec(fmt, rm, cm, ranks, rows, cols),
-                                     planner.Cut(split, left, right), output, x.dtype)
+                                     cut, output, x.dtype)
     if strategy == "factored":
         return F.linear(tt_runtime.project(x, parts[0], x.dtype), parts[1], b)
     return F.linear(x, parts[0], b)
@@ -119,9 +118,8 @@ def test_batched_group_equals_layer_by_layer():
     leaves = [[t.clone().requires_grad_() for t in c + g] for c, g in layers]
     d = len(layers[0][0])
     split = len(rm)
-    left = planner.bracket_cores(fmt, rm, cm, ranks, 0, split)
-    right = planner.bracket_cores(fmt, rm, cm, ranks, split, len(ranks) - 1)
-    spec, cut = TTSpec(fmt, rm, cm, ranks, rows, cols), planner.Cut(split, left, right)
+    cut = planner.cut_at(TTSpec(fmt, rm, cm, ranks, rows, cols), split)
+    spec = TTSpec(fmt, rm, cm, ranks, rows, cols)
     for output in ("factors", "factors_t", "dense", "dense_t", "tables"):
         batched = tt_runtime.group_outputs(*_flats([lv[:d] for lv in leaves], [lv[d:] for lv in leaves]), spec, cut,
                                            output, torch.float64)

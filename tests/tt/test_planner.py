@@ -5,12 +5,14 @@ symbolic token counts without guards, plan time, and the FLOPs against torch.ein
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import sympy
 import torch
 
-from comera_compile.tt import planner
-from comera_compile.tt.planner import bracket_cores, plan_tt_embedding, plan_tt_linear, size_hint, tt_network
+from comera_compile.tt import TTSpec, planner
+from comera_compile.tt.planner import cut_at, plan_tt_embedding, plan_tt_linear, size_hint, tt_network
 
 COMERA_768 = ("tt", (12, 8, 8), (8, 8, 12), (1, 12, 30, 30, 30, 12, 1))
 COMERA_3072 = ("tt", (12, 8, 8), (12, 16, 16), (1, 12, 30, 30, 30, 16, 1))
@@ -78,12 +80,16 @@ def test_brackets_merge_consecutive_runs_cheapest_first():
         assert left[-1] + 1 == right[0]  # (left run, right run) in chain order
         return left + right
 
+    def spec(fmt, rm, cm, ranks):
+        return TTSpec(fmt, rm, cm, ranks, math.prod(rm), math.prod(cm))
+
     for args in (COMERA_768, COMERA_3072, TTM_4096):
         d = len(args[3]) - 1
-        for lo, hi in ((0, d // 2), (d // 2, d), (0, d)):
-            assert runs(bracket_cores(*args, lo, hi)) == list(range(lo, hi))
+        for split in range(1, d):
+            cut = cut_at(spec(*args), split)
+            assert runs(cut.left) == list(range(0, split)) and runs(cut.right) == list(range(split, d))
     # CoMERA's L = G1·G2·G3: left to right is cheaper than right to left at these ranks
-    assert bracket_cores(*COMERA_768, 0, 3) == ((0, 1), 2)
+    assert cut_at(spec(*COMERA_768), 3).left == ((0, 1), 2)
 
 
 def test_symbolic_token_count_uses_hint_without_guards():
