@@ -13,9 +13,13 @@ that of eager fp32 (each recomputed logit rounds by about ``|z| * 2**-24``; ever
 1.5x eager's error at logits around 1e2 and 1e4 in the tests).
 
 This module holds the op (``torch.library`` definition, fake, autograd) and the public
-``linear_cross_entropy``. How it runs — the paths, the cost model that picks one per shape, the
-memory budget, tuning and statistics — is in :mod:`comera_compile.cce` (pure: no op); the drivers of the
-paths in ``linear_cross_entropy_paths.py``; the Triton kernels in ``linear_cross_entropy_kernels.py``.
+``linear_cross_entropy``. Its options (:class:`~comera_compile.cce.options.LCEOptions`, re-exported here)
+and how it runs — the paths, the cost model that picks one per shape, the memory budget, tuning and
+statistics, the observed kept fractions — are in :mod:`comera_compile.cce` (pure: no op); the drivers of
+the paths in ``linear_cross_entropy_paths.py``; the Triton kernels in ``linear_cross_entropy_kernels.py``.
+The names of :mod:`comera_compile.cce` this module used to re-export (``choose_strategy``,
+``cce_tuning``, ``use_kept_fraction_store``, ...) still resolve here for one release, with a
+``DeprecationWarning`` naming their home.
 
 ``strategy="auto"``: the public function (or the cce pass) plans a path by the cost model, and the
 op, told by its ``adaptive`` option that the plan was automatic, re-decides at run time between that
@@ -32,12 +36,14 @@ CPU a bad target raises eager's ``IndexError``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 
-from .dispatch import IMPLS, use_triton
+from comera_compile import cce
+from comera_compile.cce import LCEOptions  # its home; re-exported here, where the ops take it
+from .dispatch import use_triton
 from .linear_cross_entropy_paths import (
     LossInputs,
     chunked,
@@ -47,177 +53,10 @@ from .linear_cross_entropy_paths import (
     scale_,
     triton_forward,
 )
-from comera_compile.cce.observed import (
-    KeptFractionStore,
-    current_kept_fraction_store,
-    forward_bounds_pay,
-    kept_fractions,
-    pinned_kept_fraction_store,
-    reset_kept_fractions,
-    use_kept_fraction_store,
-)
-from comera_compile.cce.planner import (
-    BACKWARDS,
-    FORWARD_DX_MAX_D,
-    REDUCTIONS,
-    STRATEGIES,
-    FusedLossDecision,
-    adaptive_plan,
-    choose_strategy,
-    decide_fused_loss,
-    default_memory_budget,
-    describe_logits,
-    forward_path,
-    fused_loss_pays,
-    logits_bytes,
-    rates_for,
-    recompute_path,
-)
-from comera_compile.cce.tuning import (
-    CCEStats,
-    CCETuning,
-    cce_tuning,
-    default_filter_eps,
-    record_cce_stats,
-)
 
-__all__ = [
-    "CCEStats", "CCETuning", "FusedLossDecision", "KeptFractionStore", "LCEOptions", "cce_tuning", "choose_strategy",
-    "adaptive_plan", "current_kept_fraction_store", "decide_fused_loss", "default_filter_eps", "describe_logits",
-    "fused_loss_pays", "kept_fractions", "linear_cross_entropy", "logits_bytes", "rates_for", "record_cce_stats",
-    "reset_kept_fractions", "use_kept_fraction_store",
-]
+__all__ = ["LCEOptions", "linear_cross_entropy"]
 
 OP = "comera::linear_cross_entropy"
-
-
-# ---------------------------------------------------------------------------------------------
-# The options of one call (shared by the public function, the cce pass, the op and its autograd)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LCEOptions:
-    """Every non-tensor argument of ``comera::linear_cross_entropy``, checked once (here).
-
-    The ops take them flat after their tensors (``torch.library`` schemas take primitive
-    arguments), and every caller goes through this class: the call is
-    ``torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())``, and
-    ``LCEOptions.from_op_args(args)`` reads the arguments back (the fake, the autograd setup); the
-    backward op likewise with :meth:`backward_op_args` / :meth:`from_backward_op_args`. Each op's
-    order is read from its registered schema, so no caller spells a position.
-
-    * ``softcap``: ``c`` of ``c * tanh(z / c)`` over the logits, 0 (or None) for none.
-    * ``ignore_index``, ``label_smoothing``, ``reduction``: as in ``F.cross_entropy``.
-    * ``backward``, ``filter_eps``, ``deterministic``, ``strategy``, ``memory_budget``, ``impl``: see
-      :func:`linear_cross_entropy`. ``filter_eps=None`` stands for the inputs' dtype's default,
-      filled in by :meth:`resolve`; ``memory_budget`` -1 (or None) for the default budget.
-    * ``need_dx``, ``need_dw``, ``need_db``: the gradients to form (in the forward: those the
-      chunked and fused paths may form there; in the backward: those to compute).
-    * ``adaptive``: ``strategy`` was planned by "auto" (not pinned): where the sparse path may run,
-      the op re-decides when it runs between the planned path and sparse rounds with the same
-      outputs, from the observed kept fraction (``runtime_strategy``). The output shapes still
-      follow ``strategy`` alone (:meth:`forms_grads`).
-
-    The values are stored in the op's types (float, int, str, bool).
-    """
-
-    softcap: Optional[float] = 0.0
-    ignore_index: int = -100
-    label_smoothing: float = 0.0
-    reduction: str = "mean"
-    backward: str = "filtered"
-    filter_eps: Optional[float] = None
-    deterministic: bool = False
-    impl: str = "auto"
-    strategy: str = "auto"
-    memory_budget: Optional[int] = -1
-    need_dx: bool = False
-    need_dw: bool = False
-    need_db: bool = False
-    adaptive: bool = False
-
-    def __post_init__(self) -> None:
-        for name, valid in (("reduction", REDUCTIONS), ("backward", BACKWARDS), ("strategy", STRATEGIES),
-                            ("impl", IMPLS)):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"linear_cross_entropy: {name}={getattr(self, name)!r}; valid values: {list(valid)}")
-        softcap = float(self.softcap or 0.0)
-        if softcap < 0.0:
-            raise ValueError(f"linear_cross_entropy: softcap={softcap} must be >= 0 (0 or None: no soft-cap)")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"linear_cross_entropy: label_smoothing={self.label_smoothing} not in [0, 1]")
-        if self.filter_eps is not None and not self.filter_eps >= 0.0:
-            raise ValueError(f"linear_cross_entropy: filter_eps={self.filter_eps} must be >= 0 "
-                             "(or None for the dtype's default)")
-        budget = -1 if self.memory_budget is None else int(self.memory_budget)
-        if budget < -1:
-            raise ValueError(f"linear_cross_entropy: memory_budget={self.memory_budget} must be a byte count "
-                             "(or None/-1 for the default)")
-        typed = dict(softcap=softcap, ignore_index=int(self.ignore_index), label_smoothing=float(self.label_smoothing),
-                     filter_eps=None if self.filter_eps is None else float(self.filter_eps),
-                     deterministic=bool(self.deterministic), memory_budget=budget, need_dx=bool(self.need_dx),
-                     need_dw=bool(self.need_dw), need_db=bool(self.need_db), adaptive=bool(self.adaptive))
-        for name, value in typed.items():
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def from_op_args(cls, args) -> "LCEOptions":
-        """The options from the op's arguments after ``(x, weight, target, bias)``."""
-        return cls(**dict(zip(_OP_FIELDS, args)))
-
-    @classmethod
-    def from_backward_op_args(cls, args) -> "LCEOptions":
-        """The options from the backward op's arguments after its eight tensors."""
-        return cls(**dict(zip(_BACKWARD_OP_FIELDS, args)))
-
-    def op_args(self) -> tuple:
-        """The op's arguments after ``(x, weight, target, bias)``, in its schema's order."""
-        return self._args(_OP_FIELDS)
-
-    def backward_op_args(self) -> tuple:
-        """The backward op's arguments after its eight tensors, in its schema's order."""
-        return self._args(_BACKWARD_OP_FIELDS)
-
-    def _args(self, names: tuple[str, ...]) -> tuple:
-        if self.filter_eps is None:
-            raise ValueError("linear_cross_entropy: filter_eps=None must be resolved for the inputs' dtype "
-                             "(LCEOptions.resolve) before the op is called")
-        return tuple(getattr(self, name) for name in names)
-
-    def resolve(self, dtype: torch.dtype) -> "LCEOptions":
-        """These options with ``filter_eps`` set (the default of ``dtype`` when it is None)."""
-        if self.filter_eps is not None:
-            return self
-        return dataclasses.replace(self, filter_eps=default_filter_eps(dtype))
-
-    def with_needs(self, need_dx: bool, need_dw: bool, need_db: bool) -> "LCEOptions":
-        """These options asking for the given gradients."""
-        return dataclasses.replace(self, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
-
-    def cost_model_args(self) -> dict:
-        """The keyword arguments of ``choose_strategy`` and ``fused_loss_pays`` for these options."""
-        return dict(reduction=self.reduction, backward=self.backward, deterministic=self.deterministic,
-                    memory_budget=None if self.memory_budget < 0 else self.memory_budget,
-                    filter_eps=self.filter_eps)
-
-    def filters(self) -> bool:
-        """Whether the backward may filter tiles: "filtered" with a positive threshold, and not
-        softcap with label smoothing together (the smoothing term then sits in every tile)."""
-        return (self.backward == "filtered" and self.filter_eps is not None and self.filter_eps > 0.0
-                and not (self.label_smoothing > 0.0 and self.softcap > 0.0))
-
-    def forms_grads(self, hidden, has_bias: bool) -> tuple[bool, bool, bool]:
-        """Which of (dx, dw, db) the forward forms, for grad_output = 1: all asked for on the chunked
-        path; dx on the fused path when D fits one K step (and no label smoothing). Decided by the
-        options and shapes alone, so that the fake and the real op agree on the output shapes."""
-        if self.reduction == "none":
-            return False, False, False
-        if self.strategy == "chunked":
-            return self.need_dx, self.need_dw, self.need_db and has_bias
-        if self.strategy == "fused" and self.label_smoothing == 0.0 and hidden <= FORWARD_DX_MAX_D:
-            return self.need_dx, False, False
-        return False, False, False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +96,7 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> 
 
 
 def _budget(memory_budget: int, n_tokens: int, vocab: int) -> int:
-    return memory_budget if memory_budget >= 0 else default_memory_budget(n_tokens, vocab)
+    return memory_budget if memory_budget >= 0 else cce.default_memory_budget(n_tokens, vocab)
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -312,7 +151,7 @@ def _lce_op(
     if any(forms) and triton and _forward_path(o, x, weight, budget) == "sparse":
         # the chunked plan's outputs, formed by sparse rounds over the lse of the forward tiles,
         # which also bound the logits (while they pay): the rounds skip the tiles the filter would drop
-        bounded = forward_bounds_pay(V, x.shape[1], x.dtype, o.filter_eps)
+        bounded = cce.forward_bounds_pay(V, x.shape[1], x.dtype, o.filter_eps)
         lse, tz, nll, bounds = _triton_loss_terms(inp, o, valid, bounds=bounded)
         coefs = grad_coefs(None, None, valid, o.reduction, o.label_smoothing, V)
         dx, dw, db = recompute_backward("sparse", inp, lse, tz, coefs, o.filter_eps, budget, forms, phase="forward",
@@ -352,9 +191,10 @@ def _sparse_may_run(o: LCEOptions, x: torch.Tensor) -> bool:
 
 
 def _forward_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
-    """:func:`comera_compile.cce.planner.forward_path` for this call."""
-    return forward_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
-                        x.dtype, filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
+    """:func:`comera_compile.cce.planner.forward_path` for this call, priced at its Triton paths' profile."""
+    return cce.forward_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
+                            x.dtype, filter_eps=o.filter_eps, memory_budget=budget,
+                            profile=cce.op_profile(x.device, triton=True))
 
 
 @_lce_op.register_fake
@@ -371,9 +211,10 @@ def _lce_fake(x, weight, target, bias, *options):
 
 
 def _recompute_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:
-    """:func:`comera_compile.cce.planner.recompute_path` for this call."""
-    return recompute_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
-                          x.dtype, filter_eps=o.filter_eps, memory_budget=budget, rates=rates_for(True))
+    """:func:`comera_compile.cce.planner.recompute_path` for this call, priced at its Triton paths' profile."""
+    return cce.recompute_path(o.strategy, o.adaptive, _sparse_may_run(o, x), x.shape[0], x.shape[1], weight.shape[0],
+                              x.dtype, filter_eps=o.filter_eps, memory_budget=budget,
+                              profile=cce.op_profile(x.device, triton=True))
 
 
 @torch.library.custom_op("comera::linear_cross_entropy_backward", mutates_args=())
@@ -431,11 +272,11 @@ def _setup_context(ctx, inputs, output):
     # caller's use_kept_fraction_store block, or on another thread) observes into it. Eager only:
     # under torch.compile this runs while tracing, and the compiled backward reads the store
     # current when it runs.
-    ctx.kept_store = current_kept_fraction_store()
+    ctx.kept_store = cce.current_kept_fraction_store()
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
-    with pinned_kept_fraction_store(getattr(ctx, "kept_store", None)):
+    with cce.pinned_kept_fraction_store(getattr(ctx, "kept_store", None)):
         return _backward_in_store(ctx, grad_loss, grad_lse)
 
 
@@ -492,10 +333,12 @@ def _option_names(op, tensors: int) -> tuple[str, ...]:
     return names
 
 
-# Each op's option arguments in schema order: read from the registered schemas, so that LCEOptions
-# and the ops cannot disagree on an order.
+# Each op's option arguments in schema order: read from the registered schemas and handed to
+# LCEOptions (its op_args / from_op_args and their backward kin), so that the two cannot disagree on
+# an order.
 _OP_FIELDS = _option_names(torch.ops.comera.linear_cross_entropy.default, 4)
 _BACKWARD_OP_FIELDS = _option_names(torch.ops.comera.linear_cross_entropy_backward.default, 8)
+cce.set_op_field_orders(_OP_FIELDS, _BACKWARD_OP_FIELDS)
 
 
 def linear_cross_entropy(
@@ -525,9 +368,10 @@ def linear_cross_entropy(
     * ``backward``: "filtered" lets the sparse path skip gradient tiles whose softmax stays below
       ``filter_eps`` (default: dtype eps / 32, 2**-12 for bf16); "exact" skips nothing. The other
       paths compute the exact gradient either way.
-    * ``strategy``: "auto" (the fastest path by the cost model of what runs: the Triton paths at the
-      H200's rates, or the torch reference at the CPU's: ``comera_compile.devices.H200`` / ``CPU``, by
-      ``rates_for``), "chunked", "sparse", "static" or
+    * ``strategy``: "auto" (the fastest path by the cost model of what runs, at the profile
+      ``comera_compile.cce.op_profile`` gives: the Triton paths at the GPU's,
+      ``comera_compile.devices.H200``, the torch reference at the CPU's, ``comera_compile.devices.CPU``),
+      "chunked", "sparse", "static" or
       "fused" (see :mod:`comera_compile.cce.planner`); a path that does not apply falls back to one
       that does (e.g. "sparse" under CUDA-graph capture runs "static").
       The sparse path's cost depends on how peaked the logits are: "auto" prices it at the fraction
@@ -536,12 +380,14 @@ def linear_cross_entropy(
       (an untrained head) before any, and re-decides when the op runs, so a compiled graph follows
       the observations too. Where sparse rounds may run (filtered, not deterministic, not under
       CUDA-graph capture, the Triton paths) "auto" runs them as a probe on the first call of a shape
-      class and after ``CCETuning.probe_every`` (50) calls without them, to keep the observation
-      current. ``kept_fractions()`` shows the observations (a ``KeptFraction`` per ``ShapeClass``),
-      ``reset_kept_fractions()`` forgets them (e.g. between two models); a pinned strategy neither
-      probes nor follows them (a sparse run still reports what it kept). The observations live in
-      the current ``KeptFractionStore``: the process's default one, or the caller's own within
-      ``use_kept_fraction_store(store)`` (one store per model: no call sees another model's).
+      class and after ``CCETuning.probe_every`` (default 50) calls without them, to keep the
+      observation current. ``comera_compile.cce.kept_fractions()`` shows the observations (a
+      ``KeptFraction`` per ``ShapeClass``), ``reset_kept_fractions()`` forgets them (e.g. between two
+      models); a pinned strategy neither probes nor follows them (a sparse run still reports what it
+      kept). The observations live in the current ``KeptFractionStore``: the caller's own within a
+      ``use_kept_fraction_store(store)`` block in its context (thread), one store per model so that
+      no call sees another model's; outside any block, the default store, which every such call in
+      the process shares.
     * ``memory_budget``: bytes of working memory beyond the inputs and gradients (default: 1/16 of
       the fp32 logits, at least 64 MiB); more memory buys larger chunks.
     * ``deterministic=True``: bitwise repeatable gradients (never the sparse path).
@@ -559,10 +405,33 @@ def linear_cross_entropy(
         # the plan (it fixes the op's outputs); the op re-decides at run time (adaptive)
         options = dataclasses.replace(options, adaptive=True)
         if any(need) and isinstance(x.shape[0], int):
-            best = choose_strategy(x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
-                                   rates=rates_for(use_triton(x, options.impl, op=OP)), **options.cost_model_args())
-            options = dataclasses.replace(options, strategy=adaptive_plan(
+            profile = cce.op_profile(x.device, triton=use_triton(x, options.impl, op=OP))
+            best = cce.choose_strategy(x.shape[0], x.shape[1], weight.shape[0], x.dtype, lse_grad=return_lse,
+                                       profile=profile, **options.cost_model_args())
+            options = dataclasses.replace(options, strategy=cce.adaptive_plan(
                 best, x.dtype, reduction=options.reduction, lse_grad=return_lse))
     options = options.with_needs(*need)
     loss, lse, *_ = torch.ops.comera.linear_cross_entropy(x, weight, target, bias, *options.op_args())
     return (loss, lse) if return_lse else loss
+
+
+# The names of comera_compile.cce this module re-exported before they moved there: each still resolves
+# here, to the same object, with a DeprecationWarning (module __getattr__). The module itself reaches
+# them as cce.<name>.
+_MOVED = frozenset({
+    "BACKWARDS", "FORWARD_DX_MAX_D", "REDUCTIONS", "STRATEGIES", "CCEStats", "CCETuning", "FusedLossDecision",
+    "KeptFractionStore", "adaptive_plan", "cce_tuning", "choose_strategy", "current_kept_fraction_store",
+    "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits", "forward_bounds_pay",
+    "forward_path", "fused_loss_pays", "kept_fractions", "logits_bytes", "pinned_kept_fraction_store", "rates_for",
+    "recompute_path", "record_cce_stats", "reset_kept_fractions", "use_kept_fraction_store",
+})
+
+
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`comera_compile.cce`, with a DeprecationWarning naming their home."""
+    if name in _MOVED:
+        warnings.warn(f"comera_compile.kernels.linear_cross_entropy.{name} is deprecated and will be removed in the "
+                      f"next release: it moved to comera_compile.cce (from comera_compile.cce import {name})",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(cce, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

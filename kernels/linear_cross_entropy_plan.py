@@ -1,6 +1,7 @@
-"""Deprecated: the fused loss's decisions moved to :mod:`comera_compile.cce` (issue 39: the cost model and the
+"""Deprecated: the fused loss's decisions moved to :mod:`comera_compile.cce` (the cost model and the
 choice of path in :mod:`comera_compile.cce.planner`, the tuning and statistics in
-:mod:`comera_compile.cce.tuning`, the observed kept fractions in :mod:`comera_compile.cce.observed`).
+:mod:`comera_compile.cce.tuning`, the observed kept fractions in :mod:`comera_compile.cce.observed`, the
+options of a call in :mod:`comera_compile.cce.options`).
 
 This module re-exports the same objects for one release (``comera_compile.cce.X is
 comera_compile.kernels.linear_cross_entropy_plan.X``; the state, the tuning stack and the default store,

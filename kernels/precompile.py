@@ -75,7 +75,7 @@ def lce_job(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: O
     ``op_args`` (``LCEOptions.op_args()``), with gradients for ``needs`` (x, weight, bias); None where
     there is nothing to precompile (not CUDA, symbolic sizes, or more than ``MAX_JOB_BYTES``)."""
     from comera_compile.kernels.dispatch import HAS_TRITON, TRITON_DTYPES, interpreting
-    from comera_compile.kernels.linear_cross_entropy import LCEOptions
+    from comera_compile.cce import LCEOptions
 
     if x.device.type != "cuda" or not HAS_TRITON or interpreting() or x.dtype not in TRITON_DTYPES:
         return None

@@ -28,12 +28,13 @@ may have saved none of it.
 Anything else on the path (an ``alpha=``, a ``rounding_mode=``, an in-place op, a cast other than an
 fp32 upcast, an op that touches the vocabulary dimension, an unknown op) leaves the loss as it is,
 and ``explain`` shows the argument or node that blocked it. So does the cost rule
-(``kernels.linear_cross_entropy.decide_fused_loss``) for heads not worth fusing under the
+(``comera_compile.cce.decide_fused_loss``) for heads not worth fusing under the
 ``cce_policy`` option (by default "memory": heads whose logits exceed ``cce_memory_threshold``, at a
 small stated slowdown at most), unless the ``cce_min_vocab`` option sets the threshold instead. The
-rule runs once per head, at the rates of what will run the op (its Triton paths on the GPU, its torch
-reference on the CPU): its decision (whether fusing pays, the op's path, the logits' memory) serves the
-rewrite and the detail ``explain`` shows.
+rule runs once per head, at the device profile of what will run the op
+(``comera_compile.cce.op_profile``: its Triton paths at the GPU's, its torch reference at the CPU's):
+its decision (whether fusing pays, the op's path, the logits' memory) serves the rewrite and the
+detail ``explain`` shows.
 """
 
 from __future__ import annotations
@@ -59,17 +60,19 @@ from comera_compile.fx_utils import (
     module_name,
     size_hint,
 )
+from comera_compile.cce.options import LCEOptions
+from comera_compile.devices import DeviceProfile
 from comera_compile.cce.planner import (
     FusedLossDecision,
     adaptive_plan,
     decide_fused_loss,
     describe_logits,
     logits_bytes,
-    rates_for,
+    op_profile,
 )
+import comera_compile.kernels.linear_cross_entropy  # noqa: F401  (defines the op)
 from comera_compile.kernels import precompile
 from comera_compile.kernels.dispatch import use_triton
-from comera_compile.kernels.linear_cross_entropy import LCEOptions  # defines the op
 
 if TYPE_CHECKING:  # the pass manager runs the passes; they only name its context type
     from comera_compile.pass_manager import PassContext
@@ -627,10 +630,18 @@ def _options(head: _Head, ctx: PassContext) -> LCEOptions:
     return options.resolve(_projection_dtype(head))
 
 
+def _profile(head: _Head) -> DeviceProfile:
+    """The device profile the cost model prices this head's op at: its Triton paths' where they will run
+    on the hidden states' device, else its torch reference's (``op_profile``)."""
+    h = fake(head.proj.h)
+    return op_profile(h.device, triton=use_triton(h))
+
+
 def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDecision:
     """Whether fusing this head pays and the op's path, decided once (the build and explain's detail
     read it). Pays: by the user's ``cce_min_vocab`` when set, else by the op's cost rule under
-    ``cce_policy``, at the rates of what will run the op (its Triton paths or its torch reference).
+    ``cce_policy``, at the profile of what will run the op (its Triton paths or its torch reference:
+    ``op_profile``).
     The path: the user's ``cce_strategy`` when pinned; else, in training, the cost model's;
     inference lets the op decide ("auto"). An unpinned path is a plan: the op re-decides between it and
     the sparse path when it runs, from the kept fraction observed on previous steps (``_build`` sets the
@@ -647,7 +658,7 @@ def _decide(head: _Head, ctx: PassContext, options: LCEOptions) -> FusedLossDeci
         decision = decide_fused_loss(n_tokens, size_hint(fake(head.proj.h).shape[-1]), vocab, dtype,
                                      capture=ctx.cudagraphs(), training=ctx.training, upcast=head.values.upcast,
                                      policy=opts.cce_policy, memory_threshold=opts.cce_memory_threshold,
-                                     rates=rates_for(use_triton(fake(head.proj.h))), **options.cost_model_args())
+                                     profile=_profile(head), **options.cost_model_args())
     if threshold is not None:
         pays = vocab >= threshold
         reason = "" if pays else f"vocabulary {vocab} < cce_min_vocab={threshold} ({describe_logits(nbytes, dtype)})"

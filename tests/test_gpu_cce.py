@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comera_compile as cc
-from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy, record_cce_stats
+from comera_compile.cce import record_cce_stats
+from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -174,8 +174,8 @@ def test_old_paths_still_import():
 
 
 def test_the_cce_plan_path_re_exports_the_cce_package():
-    """The fused loss's decisions moved from kernels/linear_cross_entropy_plan.py to comera_compile.cce
-    (issue 39): the old path re-exports the same objects (the state lives once, in the new modules) for
+    """The fused loss's decisions moved from kernels/linear_cross_entropy_plan.py to comera_compile.cce:
+    the old path re-exports the same objects (the state lives once, in the new modules) for
     one release, and says so on import."""
     import sys
 
@@ -196,4 +196,7 @@ def test_the_cce_plan_path_re_exports_the_cce_package():
         assert tuning.current_tuning().probe_every == 7
     from comera_compile.kernels import linear_cross_entropy as lce
 
-    assert lce.cce_tuning is cce.cce_tuning and lce.decide_fused_loss is cce.decide_fused_loss
+    with pytest.warns(DeprecationWarning, match="comera_compile.cce"):
+        assert lce.cce_tuning is cce.cce_tuning
+    with pytest.warns(DeprecationWarning, match="comera_compile.cce"):
+        assert lce.decide_fused_loss is cce.decide_fused_loss

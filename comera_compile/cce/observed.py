@@ -1,4 +1,4 @@
-"""The kept fractions the fused loss's sparse path observed (``comera::linear_cross_entropy``; issue 39).
+"""The kept fractions the fused loss's sparse path observed (``comera::linear_cross_entropy``).
 
 The sparse path's cost depends on the fraction of gradient tiles its filter keeps, a property of the
 model's logits, not of the shapes. Every sparse backward reports the fraction it kept
@@ -27,9 +27,10 @@ __all__ = ["KEPT_EMA", "KeptFraction", "KeptFractionStore", "ShapeClass", "bound
 
 
 def _remove(stack: list, item) -> None:
-    """Remove ``item`` itself (not an equal one: two empty stores are distinct)."""
+    """Remove the innermost entry that is ``item`` itself (not an equal one: two empty stores are
+    distinct; a store current twice, in nested blocks, leaves the inner block first)."""
     with _LOCK:
-        del stack[next(i for i, x in enumerate(stack) if x is item)]
+        del stack[max(i for i, x in enumerate(stack) if x is item)]
 
 
 # The weight of a new observation in the running estimate, per call: the kept fraction drifts

@@ -1,7 +1,8 @@
 """How ``comera::linear_cross_entropy`` runs: its paths, the cost model that picks one per shape and the
-memory budget (issue 39: the decisions live here, in a pure package; the kernels in
-``comera_compile.kernels`` run them). The tuning and statistics are in :mod:`comera_compile.cce.tuning`,
-the observed kept fractions in :mod:`comera_compile.cce.observed`. Pure Python: no op runs here.
+memory budget. The decisions live here, in a pure package; the kernels in ``comera_compile.kernels`` run
+them. The tuning and statistics are in :mod:`comera_compile.cce.tuning`, the observed kept fractions in
+:mod:`comera_compile.cce.observed`, the options of a call in :mod:`comera_compile.cce.options`. Pure
+Python: no op runs here.
 
 Paths (every one matches ``F.cross_entropy`` over the logits; "filtered" may drop gradient tiles
 whose softmax stays below ``filter_eps``, only the sparse path does):
@@ -29,7 +30,7 @@ whose softmax stays below ``filter_eps``, only the sparse path does):
 ``choose_strategy`` picks the fastest path by the cost model (FLOPs and bytes at the rates of a
 :class:`~comera_compile.devices.DeviceProfile`, ``profile=``: the H200's, :data:`comera_compile.devices.H200`,
 for the Triton paths on the GPU; the CPU's, :data:`comera_compile.devices.CPU`, where the op runs its
-torch reference: ``rates_for``); ``fused_loss_pays`` says whether fusing a head is worth
+torch reference; :func:`op_profile` gives the one of a call); ``fused_loss_pays`` says whether fusing a head is worth
 it against the unfused ``linear`` + ``cross_entropy`` under Inductor, by a policy: "speed" (the best
 path is not expected to be slower) or "memory" (the default: also when the logits it avoids,
 ``logits_bytes``, exceed a threshold and the best path is at most ``MEMORY_POLICY_SLOWDOWN`` times
@@ -42,10 +43,11 @@ it is given none) or peaked (a trained one: far fewer tiles). Every sparse backw
 fraction it kept (:func:`observe_kept_fraction`) to the current store (:class:`KeptFractionStore`,
 thread-safe) keyed by the shape class (:class:`ShapeClass`: vocabulary, hidden size, dtype,
 filter_eps), which keeps a running estimate (:class:`KeptFraction`, an exponential moving average);
-:func:`kept_fractions` shows it, :func:`reset_kept_fractions` clears it. The current store is the
-process's default one unless a :func:`use_kept_fraction_store` block makes a caller's own current,
-so that one model's observations do not decide the paths of another's calls; an eager backward
-observes into the store its forward ran under. :func:`choose_strategy` prices the sparse path at the observed
+:func:`kept_fractions` shows it, :func:`reset_kept_fractions` clears it. The current store is the one
+a :func:`use_kept_fraction_store` block made current in the running context (thread), so that one
+model's observations do not decide the paths of another's calls; outside every block it is the
+default store, which all such calls share, from any thread. An eager backward observes into the store
+its forward ran under. :func:`choose_strategy` prices the sparse path at the observed
 fraction when there is one. A call planned by ``strategy="auto"`` (the op's ``adaptive`` option: the
 public function's "auto", the cce pass unless ``cce_strategy`` pins a path) re-decides at run time,
 inside the op and outside any traced graph, by :func:`runtime_strategy`: among the paths whose outputs
@@ -81,7 +83,8 @@ __all__ = [
     "BACKWARDS", "DEFAULT_MEMORY_THRESHOLD", "FORWARD_DX_MAX_D", "FORWARD_DX_PASS", "MEMORY_POLICY_SLOWDOWN",
     "PATHS", "POLICIES", "REDUCTIONS", "STRATEGIES", "FusedLossDecision", "adaptive_plan", "choose_strategy",
     "chunk_plan", "decide_fused_loss", "default_filter_eps", "default_memory_budget", "describe_logits",
-    "estimate_seconds", "format_bytes", "fused_loss_pays", "logits_bytes", "rates_for", "runtime_strategy",
+    "estimate_seconds", "format_bytes", "forward_path", "fused_loss_pays", "logits_bytes", "op_profile", "rates_for",
+    "recompute_path", "runtime_strategy",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -245,12 +248,29 @@ def __getattr__(name: str) -> Any:
 
 
 def rates_for(triton: bool) -> "_DeviceRates | _ReferenceRates":
-    """The rates of what runs the op under their old names: its Triton paths (the GPU: the H200's,
-    ``DeviceRates``) or its torch reference (the CPU's, ``ReferenceRates``); each stands for its
-    :class:`~comera_compile.devices.DeviceProfile` (``.profile``) wherever the cost model takes one. Kept
-    without a warning for one release (the op calls it at run time); ``devices.profile_for`` gives the
-    profiles by device."""
+    """Deprecated (use :func:`op_profile`): the rates of what runs the op under their old names: its
+    Triton paths (the GPU: the H200's, ``DeviceRates``) or its torch reference (the CPU's,
+    ``ReferenceRates``); each stands for its :class:`~comera_compile.devices.DeviceProfile`
+    (``.profile``) wherever the cost model takes one. Kept, without a warning, for one release."""
     return _H200_RATES if triton else _CPU_RATES
+
+
+def op_profile(device: Any, *, triton: bool) -> DeviceProfile:
+    """The profile the cost model prices a call of the op at, by what runs it on ``device`` (a
+    ``torch.device`` or its type).
+
+    * ``triton`` (its Triton paths): the device's GPU profile, :func:`comera_compile.devices.profile_for`
+      (:data:`~comera_compile.devices.H200` for every CUDA device); on a device without one (the
+      Triton interpreter runs the GPU kernels on the CPU) :data:`~comera_compile.devices.H200`, the GPU
+      the kernels stand for.
+    * otherwise (its torch reference): :data:`~comera_compile.devices.CPU`, wherever it runs (also on a
+      CUDA tensor with ``impl="torch"``).
+
+    The entry points take it as ``profile=``."""
+    if not triton:
+        return devices.CPU
+    profile = devices.profile_for(device)
+    return profile if profile.kind == "gpu" else devices.H200
 
 
 def _as_profile(profile: Any, rates: Any, default: DeviceProfile) -> DeviceProfile:
@@ -383,9 +403,8 @@ def _allowed(costs: dict[str, float], dtype: torch.dtype, *, reduction: str, bac
     if reduction == "none" or lse_grad or dtype == torch.float16:
         allowed.pop("chunked", None)
     # Under CUDA graphs the chunked path's gradients would be outputs of the captured forward that the
-    # backward scales in place; that combination has not been run on a GPU under cudagraph trees (the
-    # one failure seen there came from a test accumulating .grad across captured steps, which torch
-    # refuses for any graph), so the captured step takes a recomputing path.
+    # backward scales in place, a combination not validated under cudagraph trees: the captured step
+    # takes a recomputing path.
     if capture:
         allowed.pop("chunked", None)
     if backward != "filtered" or deterministic or capture:
@@ -446,7 +465,7 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
     counts host-side Python state only (no device value). Rounds in the forward are priced with
     the tiles the forward's bounds are expected to rule out (``KeptFraction.skipped``, where
     :func:`forward_bounds_pay` would compute them). ``profile``: as for :func:`estimate_seconds`
-    (``rates``: its older name, what the op passes: ``rates_for(True)``).
+    (``rates``: its older name); the op passes :func:`op_profile` of its Triton paths.
     """
     rates = _as_profile(profile, rates, devices.H200)
     other = "chunked" if planned == "chunked" else "static"
@@ -463,27 +482,28 @@ def runtime_strategy(planned: str, n_tokens: int, hidden: int, vocab: int, dtype
 
 def forward_path(strategy: str, adaptive: bool, sparse_may_run: bool, n_tokens: int, hidden: int, vocab: int,
                  dtype: torch.dtype, *, filter_eps: float, memory_budget: Optional[int] = None,
-                 rates: Any = None) -> str:
+                 rates: Any = None, profile: Optional[DeviceProfile] = None) -> str:
     """Who forms the gradients of a forward that forms them on the Triton paths: "sparse" for a "chunked"
     planned by "auto" (``adaptive``) when the observed kept fraction (or a probe) says so and sparse rounds
     may run (``sparse_may_run``: they can filter, need not be deterministic, no CUDA graph is being
-    captured), else the planned ``strategy``. ``rates``: the Triton paths' (default ``rates_for(True)``)."""
+    captured), else the planned ``strategy``. ``profile``: the Triton paths' (default
+    :data:`comera_compile.devices.H200`; ``rates``: its older name)."""
     if strategy != "chunked" or not adaptive or not sparse_may_run:
         return strategy
     return runtime_strategy("chunked", n_tokens, hidden, vocab, dtype, filter_eps=filter_eps,
-                            memory_budget=memory_budget, rates=rates if rates is not None else rates_for(True))
+                            memory_budget=memory_budget, profile=_as_profile(profile, rates, devices.H200))
 
 
 def recompute_path(strategy: str, adaptive: bool, sparse_may_run: bool, n_tokens: int, hidden: int, vocab: int,
                    dtype: torch.dtype, *, filter_eps: float, memory_budget: Optional[int] = None,
-                   rates: Any = None) -> str:
+                   rates: Any = None, profile: Optional[DeviceProfile] = None) -> str:
     """The Triton recompute path of a backward: the one asked for, or for "auto" (and "chunked", when the
     forward did not form the gradient) the fused kernels for small D (``CCETuning.fused_max_d``), sparse
     rounds when filtering can skip tiles, static chunks otherwise. Sparse rounds sync the host: where they
     may not run (``sparse_may_run`` false: under CUDA-graph capture, or when they cannot filter or must be
     deterministic) static runs instead. A "sparse" or "static" planned by "auto" (``adaptive``) takes the
-    one of the two that the observed kept fraction (or a probe) picks (:func:`runtime_strategy`, at ``rates``:
-    default ``rates_for(True)``)."""
+    one of the two that the observed kept fraction (or a probe) picks (:func:`runtime_strategy`, at
+    ``profile``: default :data:`comera_compile.devices.H200`; ``rates``: its older name)."""
     if strategy in ("auto", "chunked"):
         if hidden <= current_tuning().fused_max_d:
             return "fused"
@@ -494,7 +514,7 @@ def recompute_path(strategy: str, adaptive: bool, sparse_may_run: bool, n_tokens
         return "static"
     if adaptive:
         return runtime_strategy(strategy, n_tokens, hidden, vocab, dtype, filter_eps=filter_eps,
-                                memory_budget=memory_budget, rates=rates if rates is not None else rates_for(True))
+                                memory_budget=memory_budget, profile=_as_profile(profile, rates, devices.H200))
     return strategy
 
 
@@ -557,7 +577,7 @@ def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype
                       policy: str = "memory", memory_threshold: int = DEFAULT_MEMORY_THRESHOLD,
                       rates: Any = None, profile: Optional[DeviceProfile] = None) -> FusedLossDecision:
     """:func:`fused_loss_pays` and, in training, :func:`choose_strategy`'s path, from one run of
-    the cost model (:func:`estimate_seconds` at ``rates``: small vocabularies lose on fixed costs,
+    the cost model (:func:`estimate_seconds` at ``profile``: small vocabularies lose on fixed costs,
     mid-size hidden sizes with flat logits lose on the GPU's recompute, large heads with a budget
     for big chunks or a filter that skips tiles pay).
 
@@ -565,7 +585,7 @@ def decide_fused_loss(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype
     ``policy="memory"`` (the default): also when the logits (:func:`logits_bytes`) take more than
     ``memory_threshold`` bytes and the best path's estimate is at most ``MEMORY_POLICY_SLOWDOWN``
     (1.15) times the unfused one. ``profile``: as for :func:`estimate_seconds` (``rates``: its older
-    name, what the cce pass passes: ``rates_for(...)``)."""
+    name); the cce pass passes :func:`op_profile` of what will run the op."""
     if policy not in POLICIES:
         raise ValueError(f"decide_fused_loss: policy={policy!r}; valid values: {list(POLICIES)}")
     rates = _as_profile(profile, rates, devices.H200)

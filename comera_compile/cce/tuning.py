@@ -1,4 +1,4 @@
-"""The fused loss's tuning and statistics (``comera::linear_cross_entropy``; issue 39): the tile shapes
+"""The fused loss's tuning and statistics (``comera::linear_cross_entropy``): the tile shapes
 and launch parameters of its Triton paths (:class:`CCETuning`, changed for a block by :func:`cce_tuning`),
 the filter's default threshold (:func:`default_filter_eps`), and what each call of the op did
 (:class:`CCEStats`, collected by :func:`record_cce_stats`). Pure Python: the kernels read them, nothing
@@ -66,18 +66,17 @@ class CCETuning:
     rows_block_v: int = 4096
     rows_warps: int = 8
     # Calls planned by strategy="auto" run the sparse path (a probe, to measure the kept fraction:
-    # see the module doc) when this many calls of their shape class passed without it: at most its
-    # extra time on one step in 50 where it does not pay (~1 % at the Llama-3 head, flat logits).
+    # see comera_compile.cce.planner) when this many calls of their shape class passed without it:
+    # where it does not pay, its extra time lands on one call in probe_every.
     probe_every: int = 50
     # Sparse rounds run in the forward (a "chunked" plan the op switched to sparse) skip the tiles
     # whose logits the forward's tiles bound below the filter (``LogitBounds``). False: every tile
     # is recomputed, as the sparse rounds of a backward do.
     forward_bounds: bool = True
-    # The bounds cost the forward a column maximum per tile: on the H200 ~1 ms at the Llama-3 head
-    # and ~5 ms at the Gemma-2 head (softcapped, 2x the tiles) when they rule out nothing, against a
-    # recompute pass of ~15 and ~17 ms. So the forward computes them only while the observed fraction
-    # of tiles they rule out (``KeptFraction.skipped``) is at least this; with none observed, and
-    # after ``probe_every`` calls without them, it computes them (a probe).
+    # The bounds cost the forward a column maximum per tile, wasted when they rule out nothing. So the
+    # forward computes them only while the observed fraction of tiles they rule out
+    # (``KeptFraction.skipped``) is at least this; with none observed, and after ``probe_every``
+    # calls without them, it computes them (a probe).
     bounds_min_skip: float = 0.3
 
     def fit(self, dtype: torch.dtype, on_gpu: bool, hidden: int) -> "CCETuning":
@@ -93,8 +92,7 @@ class CCETuning:
                                   bwd_block_k=min(self.bwd_block_k, k))
         if hidden <= cfg.fwd_block_k:
             # One K step: the forward loop is bound by the softmax, not the product, and takes its
-            # own tile width and warp count (H200, D = 32: 128 x 128 with 4 warps beats 128 x 256
-            # with 8 by ~20 %).
+            # own tile width and warp count (fwd_small_d_block_n, fwd_small_d_warps).
             cfg = dataclasses.replace(cfg, fwd_block_n=min(cfg.fwd_block_n, cfg.fwd_small_d_block_n),
                                       fwd_warps=cfg.fwd_small_d_warps)
         if not on_gpu or torch.finfo(dtype).bits <= 16:

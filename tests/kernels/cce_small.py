@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 import comera_compile.kernels.linear_cross_entropy as lce
-from comera_compile.kernels.linear_cross_entropy import cce_tuning, reset_kept_fractions
-from comera_compile.cce import current_kept_fraction_store, default_kept_fraction_store
+from comera_compile.cce import (cce_tuning, current_kept_fraction_store, default_kept_fraction_store,
+                                reset_kept_fractions)
 from comera_compile import devices
 
 N, D, V = 64, 48, 256  # D > fused_max_d would be slow here; 48 keeps the fused path out of "chunked"
@@ -36,8 +36,9 @@ def _fresh_observations():
 def scaled_rates(monkeypatch):
     """The op (public function and run-time choice) prices its Triton paths at SCALED; small tiles,
     so that this head has 4 x 16 gradient tiles."""
-    cpu = lce.rates_for(False)
-    monkeypatch.setattr(lce, "rates_for", lambda triton: SCALED if triton else cpu)
+    real = lce.cce.op_profile  # the op reads comera_compile.cce.op_profile when it runs
+    monkeypatch.setattr(lce.cce, "op_profile",
+                        lambda device, *, triton: SCALED if triton else real(device, triton=False))
     monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
     with cce_tuning(**SMALL_TILES) as tuning:
         yield tuning

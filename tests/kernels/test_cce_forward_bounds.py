@@ -9,14 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comera_compile.kernels.linear_cross_entropy import (
-    cce_tuning,
-    linear_cross_entropy,
-    record_cce_stats,
-    reset_kept_fractions,
-)
+from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy
 from comera_compile.kernels.linear_cross_entropy_paths import LogitBounds
-from comera_compile.cce import adaptive_plan, default_filter_eps
+from comera_compile.cce import adaptive_plan, cce_tuning, default_filter_eps, record_cce_stats, reset_kept_fractions
 
 from cce_small import D, N, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
 

@@ -11,18 +11,16 @@ import torch.nn.functional as F
 
 import comera_compile.kernels.linear_cross_entropy as lce
 from comera_compile.devices import H200
-from comera_compile.kernels.linear_cross_entropy import (
-    cce_tuning,
-    choose_strategy,
-    kept_fractions,
-    linear_cross_entropy,
-    record_cce_stats,
-    reset_kept_fractions,
-)
+from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy
 from comera_compile.cce import (
     KEPT_EMA,
     KeptFractionStore,
     ShapeClass,
+    cce_tuning,
+    choose_strategy,
+    kept_fractions,
+    record_cce_stats,
+    reset_kept_fractions,
     current_kept_fraction_store,
     default_filter_eps,
     default_kept_fraction_store,
@@ -36,7 +34,7 @@ from comera_compile.cce import (
 
 from cce_small import D, N, SCALED, V, _fresh_observations, scaled_rates  # noqa: F401  (fixtures)
 
-LLAMA = (8192, 4096, 128256)  # the Llama-3 8B head of the issue
+LLAMA = (8192, 4096, 128256)  # the Llama-3 8B head
 BF16 = torch.bfloat16
 TOL = 1e-5  # the tolerance of the fused loss's fp32 tests; the filter drops entries below 2**-28 here
 
@@ -152,8 +150,9 @@ def test_the_store_is_a_thread_safe_running_average():
 
 
 def test_one_store_is_thread_safe_and_its_own():
-    """A caller's store is a thread-safe running average of its own: threads feeding it inside its
-    block (the setting is process-wide) and its methods directly, none of it in the default store."""
+    """A caller's store is a thread-safe running average of its own: threads running in a copy of the
+    block's context feed it through the module functions, and through its methods directly, none of
+    it in the default store."""
     store = KeptFractionStore()
     key = (V, D, torch.float32, EPS32)
 
@@ -214,6 +213,27 @@ def test_two_stores_do_not_see_each_others_observations():
     with pytest.raises(TypeError):
         with use_kept_fraction_store({}):
             pass
+
+
+def test_use_kept_fraction_store_nests_and_restores():
+    """Blocks nest: the innermost is current, and each exit (also by an exception) restores the
+    outer block's store, then the default one; re-entering a store already current nests too."""
+    a, b = KeptFractionStore(), KeptFractionStore()
+    default = default_kept_fraction_store()
+    with use_kept_fraction_store(a):
+        assert current_kept_fraction_store() is a
+        with use_kept_fraction_store(b):
+            assert current_kept_fraction_store() is b
+            with use_kept_fraction_store(a):
+                assert current_kept_fraction_store() is a
+            assert current_kept_fraction_store() is b
+        assert current_kept_fraction_store() is a
+        with pytest.raises(KeyError), use_kept_fraction_store(b):
+            assert current_kept_fraction_store() is b
+            raise KeyError("leaves the block")
+        assert current_kept_fraction_store() is a
+    assert current_kept_fraction_store() is default
+
 
 
 def test_the_default_store_is_the_one_of_callers_that_chose_none():
@@ -471,8 +491,7 @@ MEASURED_SPARSE = [
 def test_the_cost_model_prices_the_measured_sparse_path(shape, kept, skipped, bounded_ms, unbounded_ms, chunked_ms):
     """The H200 rates reproduce the sparse path's measured times within 10 %, with the forward's
     bounds and without, and a run-time choice between the forward's sparse rounds and the chunked
-    path picks the one that was faster there (the d 1024 head at 5 % kept: chunked, 12.2 against
-    14.0 ms; the old rates priced sparse at 5.0 ms and chose it)."""
+    path picks the one that was faster there (the d 1024 head at 5 % kept: chunked)."""
     with_bounds = estimate_seconds(*shape, BF16, rates=H200, kept_fraction=kept, skipped_fraction=skipped)
     without = estimate_seconds(*shape, BF16, rates=H200, kept_fraction=kept)
     assert with_bounds["sparse"] * 1e3 == pytest.approx(bounded_ms, rel=0.1)

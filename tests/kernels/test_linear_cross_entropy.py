@@ -4,15 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comera_compile.kernels.linear_cross_entropy import (
-    CCETuning,
-    LCEOptions,
-    cce_tuning,
-    choose_strategy,
-    fused_loss_pays,
-    linear_cross_entropy,
-    record_cce_stats,
-)
+from comera_compile.cce import CCETuning, LCEOptions, cce_tuning, choose_strategy, fused_loss_pays, record_cce_stats
+from comera_compile.kernels.linear_cross_entropy import linear_cross_entropy
 
 N, D, V = 47, 31, 123  # not block multiples
 PATHS = ["chunked", "sparse", "static", "fused"]
@@ -453,6 +446,41 @@ def test_options_match_the_op_schemas():
     assert o.op_args()[[a.name for a in forward].index("strategy")] == "static"
 
 
+def test_lce_options_live_in_cce_and_the_kernels_re_export_them():
+    """LCEOptions has its home in comera_compile.cce (pure: no op) and the op module re-exports the same
+    class without a warning; its impl values are the ops' (dispatch.IMPLS)."""
+    import warnings
+
+    import comera_compile.kernels.linear_cross_entropy as lce
+    from comera_compile import cce
+    from comera_compile.cce import options
+    from comera_compile.kernels.dispatch import IMPLS
+
+    assert "LCEOptions" in cce.__all__ and cce.LCEOptions is options.LCEOptions is LCEOptions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lce.LCEOptions is cce.LCEOptions and lce.linear_cross_entropy is linear_cross_entropy
+    assert options.IMPLS == IMPLS
+    assert LCEOptions.__module__ == "comera_compile.cce.options"
+
+
+@pytest.mark.parametrize("name", ["cce_tuning", "choose_strategy", "use_kept_fraction_store", "KeptFractionStore",
+                                  "rates_for", "record_cce_stats", "decide_fused_loss", "CCETuning"])
+def test_names_that_moved_to_cce_warn_from_the_kernels_module(name):
+    """The cce names the op module used to re-export still resolve there, to the same objects, with a
+    DeprecationWarning naming comera_compile.cce; nothing else resolves."""
+    import comera_compile.kernels.linear_cross_entropy as lce
+    from comera_compile import cce
+
+    with pytest.warns(DeprecationWarning, match=rf"linear_cross_entropy\.{name} is deprecated.*comera_compile\.cce"):
+        assert getattr(lce, name) is getattr(cce, name)
+    with pytest.warns(DeprecationWarning, match="comera_compile.cce"):
+        exec(f"from comera_compile.kernels.linear_cross_entropy import {name}", {})
+    with pytest.raises(AttributeError):
+        lce.no_such_name  # noqa: B018
+    assert not [n for n in lce.__all__ if n in lce._MOVED]  # a star import never warns
+
+
 def _source(module) -> str:
     import pathlib
 
@@ -601,15 +629,19 @@ def test_the_cpu_model_prices_the_torch_reference():
     """Off the GPU the op runs its torch reference: the cost model prices that (CPU rates), whose paths
     are the chunked loop (gradient in the forward) and an exact recompute ("static"); the H200's
     rates price the Triton paths."""
-    from comera_compile.cce import CPU, H200, estimate_seconds, rates_for
+    from comera_compile.cce import estimate_seconds, op_profile
+    from comera_compile.devices import CPU, H200
 
-    assert rates_for(True) is H200 and rates_for(False) is CPU
-    assert set(estimate_seconds(2048, 512, 131072, torch.float32, rates=CPU)) == {"unfused", "chunked", "static"}
-    assert set(estimate_seconds(64, 8, 3, torch.float32, rates=CPU, training=False)) == {"unfused", "static"}
-    assert choose_strategy(2048, 512, 131072, torch.float32, rates=CPU) == "chunked"
-    assert choose_strategy(8192, 32, 128256, torch.bfloat16, rates=CPU) == "chunked"  # the H200 picks "fused"
-    assert choose_strategy(2048, 512, 131072, torch.float16, rates=CPU) == "static"
-    assert choose_strategy(2048, 512, 131072, torch.float32, reduction="none", rates=CPU) == "static"
+    # the Triton paths at the GPU's profile (also under the interpreter, on the CPU), the reference at the CPU's
+    assert op_profile("cuda", triton=True) is H200 and op_profile(torch.device("cpu"), triton=True) is H200
+    assert op_profile("cpu", triton=False) is CPU and op_profile("cuda", triton=False) is CPU
+    assert set(estimate_seconds(2048, 512, 131072, torch.float32, profile=CPU)) == {"unfused", "chunked", "static"}
+    assert set(estimate_seconds(64, 8, 3, torch.float32, profile=CPU, training=False)) == {"unfused", "static"}
+    assert choose_strategy(2048, 512, 131072, torch.float32, profile=CPU) == "chunked"
+    assert choose_strategy(8192, 32, 128256, torch.bfloat16, profile=CPU) == "chunked"  # the H200 picks "fused"
+    assert choose_strategy(8192, 32, 128256, torch.bfloat16, profile=H200) == "fused"
+    assert choose_strategy(2048, 512, 131072, torch.float16, profile=CPU) == "static"
+    assert choose_strategy(2048, 512, 131072, torch.float32, reduction="none", profile=CPU) == "static"
 
 
 def test_auto_on_the_cpu_takes_the_path_the_cpu_model_picks():

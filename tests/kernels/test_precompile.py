@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import comera_compile as cc
 from comera_compile.kernels import precompile
-from comera_compile.kernels.linear_cross_entropy import LCEOptions
+from comera_compile.cce import LCEOptions
 from comera_compile.options import OptionsError
 
 

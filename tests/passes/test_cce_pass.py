@@ -243,7 +243,7 @@ def test_bad_strategy_option_names_the_choices():
         cc.CompileOptions(cce_strategy="fastest")
 
 
-# --- issue 10: rewrites that are never wrong ------------------------------------------------------
+# --- rewrites that are never wrong ---------------------------------------------------------------
 
 def _against_eager(fn, B=2, T=5, hidden=8, vocab=V, options=None):
     """Loss and gradients of ``fn(h, W, b, y)`` compiled (aot_eager) vs eager; returns the explain report."""
@@ -357,7 +357,7 @@ def test_unsupported_path_ops_are_left_alone_naming_the_blocker(case, blocker):
 
 
 def test_cost_rule_leaves_small_vocabularies_alone_by_default():
-    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
+    from comera_compile.cce import fused_loss_pays
 
     fn = lambda h, W, b, y: F.cross_entropy(F.linear(h, W).view(-1, 3), y.view(-1).clamp(0, 2))  # noqa: E731
     report = _against_eager(fn, vocab=3, options={"cce_min_vocab": None})
@@ -365,12 +365,12 @@ def test_cost_rule_leaves_small_vocabularies_alone_by_default():
     assert not ok and report.rewrites == [] and _cce_skips(report) == [reason]
 
 
-# --- issue 21: the policy (memory by default), the device's rates, the logits' memory in explain ----
+# --- the policy (memory by default), the device's rates, the logits' memory in explain -------------
 
 def test_small_head_left_alone_naming_its_logits_memory():
     """Default options, a tiny head on the CPU: its logits are below cce_memory_threshold and its fused
     loss is slower at the CPU's rates (not the H200's): left alone, explain stating the logits' size."""
-    from comera_compile.kernels.linear_cross_entropy import fused_loss_pays
+    from comera_compile.cce import fused_loss_pays
 
     fn = lambda h, W, b, y: F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1))  # noqa: E731
     report = _against_eager(fn, options={"cce_min_vocab": None})
