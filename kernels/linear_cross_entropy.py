@@ -99,7 +99,9 @@ def _budget(memory_budget: int, n_tokens: int, vocab: int) -> int:
     return memory_budget if memory_budget >= 0 else cce.default_memory_budget(n_tokens, vocab)
 
 
-def _capturing(x: torch.Tensor) -> bool:
+def stream_capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s stream is being captured into a CUDA graph (where the sparse path, which reads a
+    device value on the host each round, cannot run)."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -187,7 +189,7 @@ def _triton_loss_terms(inp: LossInputs, o: LCEOptions, valid: torch.Tensor, boun
 def _sparse_may_run(o: LCEOptions, x: torch.Tensor) -> bool:
     """Sparse rounds may run (on the Triton paths): they can filter, need not be deterministic,
     and no CUDA graph is being captured (they sync the host)."""
-    return o.filters() and not o.deterministic and not _capturing(x)
+    return o.filters() and not o.deterministic and not stream_capturing(x)
 
 
 def _forward_path(o: LCEOptions, x: torch.Tensor, weight: torch.Tensor, budget: int) -> str:

@@ -417,7 +417,7 @@ def test_no_probe_and_no_sync_where_sparse_may_not_run(scaled_rates, monkeypatch
     reads no device value on the host; neither does a call that follows a dense observation."""
     kw = {"deterministic": dict(deterministic=True), "exact": dict(backward="exact")}.get(case, {})
     if case == "capture":
-        monkeypatch.setattr(lce, "_capturing", lambda x: True)
+        monkeypatch.setattr(lce, "stream_capturing", lambda x: True)
     if case == "dense":
         observe_kept_fraction(V, D, torch.float32, EPS32, 64, 64)
 
