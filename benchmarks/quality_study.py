@@ -714,6 +714,19 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return best
 
 
+def cut_lower_runs(rows: list[dict], best: list[dict]) -> list[tuple[dict, dict]]:
+    """(best row, run) for each cut-short run that was already below its configuration's best row
+    (:func:`_cut_lower`): the plots draw these beside the best rows, dotted, so that a likely better lr
+    cut by a deadline is seen, not only named in the table."""
+    out = []
+    for b in best:
+        for lr, *_ in b.get("cut_lower") or []:
+            run = next((r for r in rows if r["base"] == b["config"] and r["lr"] == lr and not r["complete"]), None)
+            if run is not None:
+                out.append((b, run))
+    return out
+
+
 def _cut_lower(top: dict, runs: list[dict]) -> list[tuple]:
     """The cut-short runs (another lr) whose last validation loss is below both ``top``'s final loss and
     ``top``'s loss at that same step: (lr, step, its loss, top's loss there). Such an lr is likely the
@@ -924,6 +937,11 @@ def plots(rows: list[dict], out: Path, prefix: str = "") -> list[Path]:
                 lr = f" (lr {b['best_lr']:g})" if b["best_lr"] is not None else ""
                 ax.plot(xs, ys, marker=".", lw=1, label=f"{b['config']}{lr}{'*' if shared else ''}",
                         ls="--" if is_dense(b["config"]) else "-")
+        for b, run in cut_lower_runs(rows, best):
+            xs, ys = run.get(key) or [], [loss for _, loss in run["evals"]]
+            if xs and all(x is not None for x in xs):
+                ax.plot(xs, ys, marker=".", lw=1, ls=":",
+                        label=f"{b['config']} (lr {run['lr']:g}, cut at step {run['eval_step']})")
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title("each configuration at its best learning rate", fontsize=9)

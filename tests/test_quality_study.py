@@ -306,5 +306,7 @@ def test_the_best_row_names_a_cut_short_lr_that_was_already_lower():
     assert best["best_lr"] == 0.0024  # only complete runs are the best row
     assert best["cut_lower"] == [(0.0012, 200, 4.3, 6.2)]
     assert "0.0012 cut short was lower at step 200 (4.3000 against 6.2000)" in study.best_table([best])
+    assert study.cut_lower_runs([stalled, cut_better, cut_worse], [best]) == [(best, cut_better)]
     (only,) = study.best_rows([run(0.0024, [(100, 4.0), (200, 3.0)], True), cut_worse])
     assert only["cut_lower"] == []
+    assert study.cut_lower_runs([cut_worse], [only]) == []
