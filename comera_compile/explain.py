@@ -114,8 +114,6 @@ def _use_user_names(report: Report, prefix: str) -> None:
             record.module = record.module[len(prefix):] or None
 
 
-
-
 def _note_separated_losses(report: Report) -> None:
     """A cross-entropy whose logits are an input of its graph cannot be fused with the projection
     that made them; say so, and say which graph breaks the run saw."""

@@ -235,7 +235,6 @@ def test_use_kept_fraction_store_nests_and_restores():
     assert current_kept_fraction_store() is default
 
 
-
 def test_the_default_store_is_the_one_of_callers_that_chose_none():
     """Outside any block the module functions read and write the default store, as before the stores
     existed; a block's observations never reach it, and it is current again after the block."""
