@@ -29,7 +29,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
-__all__ = ["CPU", "H200", "DeviceProfile", "profile_for"]
+__all__ = ["CPU", "H200", "IMPLS", "DeviceProfile", "profile_for"]
+
+#: How every comera op may run (its ``impl=``): ``"auto"`` (Triton where it can run, else torch), ``"triton"``
+#: or ``"torch"``. The ops (``kernels.dispatch``) and the fused loss's options (``cce.options``) read this one.
+IMPLS = ("auto", "triton", "torch")
 
 #: What the fused loss runs on a device: its Triton paths ("gpu") or its torch reference ("cpu").
 Kind = Literal["gpu", "cpu"]

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from comera_compile.devices import IMPLS  # the valid impl= values, one list for every op
+
 try:  # Triton is optional on CPU-only installs.
     import triton  # noqa: F401
 
@@ -30,7 +32,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["HAS_TRITON", "IMPLS", "TRITON_DTYPES", "dot_precision", "interpreting", "use_triton"]
 
-IMPLS = ("auto", "triton", "torch")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -17,12 +17,10 @@ import torch
 
 from comera_compile.cce.planner import BACKWARDS, FORWARD_DX_MAX_D, REDUCTIONS, STRATEGIES
 from comera_compile.cce.tuning import default_filter_eps
+from comera_compile.devices import IMPLS
 
 __all__ = ["IMPLS", "LCEOptions", "set_op_field_orders"]
 
-#: The valid ``impl`` values: those of every comera op (``comera_compile.kernels.dispatch.IMPLS``; a test
-#: holds the two equal).
-IMPLS = ("auto", "triton", "torch")
 
 # Each op's option arguments in its schema's order ("forward": comera::linear_cross_entropy,
 # "backward": comera::linear_cross_entropy_backward), set by the module that registers the ops.
