@@ -75,14 +75,27 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], opts: CompileOp
         report.after = _readable(gm)
         report.gm = gm
         collector.graph_reports.append(report)
+    hits_before = _aot_cache_hits()
     compiled = compile_inner(gm, example_inputs, opts, settings, graph=index)
     total_s = time.perf_counter() - start
-    lazy = " (its backward compiles at the first backward)" if ctx.training and opts.inner != "eager" and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs) else ""
+    lazy = ""
+    if _aot_cache_hits() > hits_before:
+        lazy = " (forward and backward loaded from the AOTAutograd cache)"
+    elif ctx.training and opts.inner != "eager" and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+        lazy = " (its backward compiles at the first backward)"
     logger.info("comera: graph %d compiled in %.1f s (passes %.2f s)%s", index, total_s, passes_s, lazy,
                 extra={"comera_timing": {"graph": index, "nodes": nodes, "passes_s": passes_s,
                                          "compile_s": total_s}})
     return compiled
+
+
+def _aot_cache_hits() -> int:
+    """How many graphs AOTAutograd has loaded from its cache in this process (a hit brings the compiled
+    backward with it, so no backward compile follows)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
 
 
 def _node_count(gm: fx.GraphModule) -> int:

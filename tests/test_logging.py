@@ -61,7 +61,10 @@ def test_backward_compile_is_logged(caplog):
     lin = torch.nn.Linear(4, 7)
     fn = torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="comera", options={"cce_min_vocab": 0})
     torch._dynamo.reset()
-    with caplog.at_level(logging.INFO, logger="comera_compile"):
+    # An earlier test of the same graph may have left it in the AOTAutograd cache, which brings the
+    # backward with the forward (the next test): this one needs a real compile.
+    with caplog.at_level(logging.INFO, logger="comera_compile"), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         loss = fn(torch.randn(3, 4), torch.tensor([0, 1, 2]))
         forward_only = [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
         loss.backward()
@@ -72,6 +75,37 @@ def test_backward_compile_is_logged(caplog):
     assert backward[0].startswith("comera: compiling graph ") and backward[0].endswith("'s backward")
     assert backward[1].startswith("comera: graph ") and "'s backward compiled in " in backward[1]
     assert lin.weight.grad is not None
+
+
+def test_backward_from_the_aot_cache_is_not_announced(caplog, tmp_path, monkeypatch):
+    """When AOTAutograd loads the graph from its cache, the compiled backward comes with it: the log says
+    so instead of promising a backward compile that never happens."""
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache this test owns
+    lin = torch.nn.Linear(5, 9)
+
+    def run():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, y: F.cross_entropy(lin(x), y), backend="comera", options={"cce_min_vocab": 0})
+        caplog.clear()
+        loss = fn(torch.randn(3, 5), torch.tensor([0, 1, 2]))
+        loss.backward()
+        return [r.getMessage() for r in caplog.records if r.name == "comera_compile"]
+
+    with caplog.at_level(logging.INFO, logger="comera_compile"), \
+            torch._functorch.config.patch(enable_autograd_cache=True), \
+            torch._inductor.config.patch(fx_graph_cache=True):
+        first = run()
+        second = run()
+    assert any("its backward compiles at the first backward" in m for m in first), first
+    assert any(m.endswith("'s backward") for m in first), first
+    done = [m for m in second if " compiled in " in m]
+    assert len(done) == 1 and "loaded from the AOTAutograd cache" in done[0], second
+    assert not [m for m in second if "backward compiles" in m or m.endswith("'s backward")], second
 
 
 def test_nothing_printed_by_default():
