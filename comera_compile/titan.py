@@ -32,6 +32,12 @@ F``, each returning a ``Trainer.Config``) rather than TOML files, and its model 
   than one rank, torchtitan's ``parallelism.spmd_backend`` must be ``"partial_dtensor"``: its
   ``"spmd_types"`` (the default) and ``"full_dtensor"`` hand FSDP2 and the model DTensors on the full
   mesh, which the TT ops do not take; :func:`wrap_parallelize` refuses them, naming the option.
+* **selective activation checkpointing**: torchtitan's ``SelectiveAC`` saves the outputs of the ops it
+  knows as compute-intensive (matmuls, attention) and recomputes every other op in the backward, the
+  comera ops among them: a btt layer's block GEMMs would run twice. :class:`SelectiveAC` also saves
+  :data:`SAVED_OPS`; :func:`wrap_parallelize` puts it in place of torchtitan's ``SelectiveAC.Config``
+  for a tensorized model (same fields), and warns when a ``SelectiveAC`` subclass of the user's own
+  would recompute them.
 * **learning rates**: :func:`param_group_configs` gives torchtitan's optimizer
   (``OptimizersContainer.Config.param_groups``, regexes over parameter names) the groups of
   :func:`comera_compile.param_groups`: TT cores, TT gates, decay, no decay.
@@ -67,6 +73,7 @@ from torchtitan.components.checkpoint import CheckpointManager as _TitanCheckpoi
 from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper
 from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.config import CompileConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC as _TitanSelectiveAC
 from torchtitan.protocols.model import ModelConfigConverter
 from torchtitan.protocols.module import Module
 
@@ -79,6 +86,9 @@ from comera_compile.tensorize.checkpoint import TT_FILE, read_layout, save_with_
 __all__ = [
     "CheckpointManager",
     "FusedCrossEntropyLoss",
+    "INDUCTOR_OPTIONS",
+    "SAVED_OPS",
+    "SelectiveAC",
     "TTConverter",
     "attach_rank_adaptation",
     "check_layout",
@@ -86,6 +96,7 @@ __all__ = [
     "init_tt_cores_",
     "param_group_configs",
     "replicate_tt_params",
+    "saved_ops",
     "wrap_parallelize",
     "write_layout",
 ]
@@ -225,8 +236,8 @@ class TTConverter(ModelConfigConverter):
 
         inductor_passes: bool = True
         """When torchtitan compiles the blocks (``compile.enable``, "model" in ``compile.components``,
-        backend "inductor"), run the comera passes inside that compile (``cc.use_with_inductor``, CUDA
-        graphs off: FSDP2 swaps the parameters' storage every step), so that the TT layers run as the
+        backend "inductor"), run the comera passes inside that compile (``cc.use_with_inductor`` with
+        :data:`INDUCTOR_OPTIONS`), so that the TT layers run as the
         lowered TT ops (btt: block GEMMs, no dense weight). Eager blocks form each TT layer's dense
         weight every forward (logged at WARNING)."""
 
@@ -341,6 +352,14 @@ def _replicate_mesh(parallel_dims) -> Any:
     return parallel_dims.get_mesh(["fsdp"])
 
 
+INDUCTOR_OPTIONS = {"cudagraphs": False, "inductor_config": {"triton.autotune_pointwise": False}}
+"""The options :class:`TTConverter` runs the comera passes with inside torchtitan's Inductor compile
+(``cc.use_with_inductor``): no CUDA graphs (FSDP2 swaps the parameters' storage every step), and the
+Inductor setting the TT pass asks of ``backend="comera"`` for a graph with TT layers (one configuration
+per pointwise kernel), which a pre-grad pass cannot set for the compile under way. Another
+``use_with_inductor`` in the same process must use the same options."""
+
+
 def _compiles_blocks(compile_config) -> bool:
     return compile_config is not None and compile_config.enable and "model" in compile_config.components
 
@@ -360,14 +379,14 @@ def _inductor_passes(model: nn.Module, compile_config) -> None:
         return
     from comera_compile.inductor import use_with_inductor
 
-    model._comera_inductor_handle = use_with_inductor({"cudagraphs": False})
+    model._comera_inductor_handle = use_with_inductor(INDUCTOR_OPTIONS)
 
 
 def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     """``parallelize_fn`` (a ``ModelSpec``'s) that, for a model built by :class:`TTConverter` (nothing
     for other models), first checks the parallelism it supports, replicates the TT parameters
-    (``tt_params``), and installs the comera passes in torchtitan's Inductor compile of the blocks
-    (``inductor_passes``). torchtitan applies FSDP2 whatever the number of GPUs, so this always runs
+    (``tt_params``), installs the comera passes in torchtitan's Inductor compile of the blocks
+    (``inductor_passes``), and hands on torchtitan's ``SelectiveAC`` as :class:`SelectiveAC`. torchtitan applies FSDP2 whatever the number of GPUs, so this always runs
     for such a model."""
     if getattr(parallelize_fn, "_comera_wrapped", False):
         return parallelize_fn
@@ -393,11 +412,65 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
                 replicate_tt_params(model, _replicate_mesh(parallel_dims))
             if getattr(model, "_comera_inductor_passes", False):
                 _inductor_passes(model, compile_config)
+            if "ac_config" in kwargs:
+                kwargs["ac_config"] = _selective_ac(kwargs["ac_config"])
         return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
 
     parallelize._comera_wrapped = True
     parallelize.__wrapped__ = parallelize_fn
     return parallelize
+
+
+# ------------------------------------------------------------------------------------------------
+# Selective activation checkpointing that saves the comera ops' outputs
+# ------------------------------------------------------------------------------------------------
+
+SAVED_OPS = ("comera::btt_blocks", "comera::tt_linear", "comera::linear_cross_entropy")
+"""The comera ops that :class:`SelectiveAC` saves: those that run a layer's GEMMs (a btt layer's block
+products, a TT layer's contraction chain, the fused loss). The ops that form a TT layer's dense weight
+are left to recompute: their cost is a weight's size, not the tokens'."""
+
+
+def saved_ops() -> set:
+    """:data:`SAVED_OPS` as the op overloads a checkpoint policy compares against."""
+    import comera_compile.kernels.btt_blocks  # noqa: F401  (registers the ops)
+    import comera_compile.kernels.linear_cross_entropy  # noqa: F401
+    import comera_compile.kernels.tt_linear  # noqa: F401
+
+    return {getattr(getattr(torch.ops.comera, name.split("::")[1]), "default") for name in SAVED_OPS}
+
+
+class SelectiveAC(_TitanSelectiveAC):
+    """torchtitan's per-op selective activation checkpointing, saving :data:`SAVED_OPS` too, as it saves
+    its batched matmuls: without them, its policy recomputes every comera op in the backward (for a btt
+    layer, both block GEMMs of its forward). The cost is their outputs' memory: per btt FFN layer at rank
+    1, its outputs and an intermediate no larger than its input."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_TitanSelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        return set(super().get_save_ops()) | saved_ops()
+
+
+def _selective_ac(ac_config: Any) -> Any:
+    """``ac_config`` for a tensorized model: torchtitan's own ``SelectiveAC.Config`` becomes
+    :class:`SelectiveAC`'s (the same fields); a subclass of the user's is kept, with a warning when its
+    save set lacks :data:`SAVED_OPS`."""
+    if not isinstance(ac_config, _TitanSelectiveAC.Config) or isinstance(ac_config, SelectiveAC.Config):
+        return ac_config
+    if type(ac_config) is _TitanSelectiveAC.Config:
+        logger.info("TTConverter: selective activation checkpointing saves the comera ops' outputs too "
+                    "(comera_compile.titan.SelectiveAC): %s", ", ".join(SAVED_OPS))
+        return SelectiveAC.Config(**{f.name: getattr(ac_config, f.name)
+                                     for f in dataclasses.fields(ac_config) if f.init})
+    missing = saved_ops() - set(ac_config.build().get_save_ops())
+    if missing:
+        logger.warning("TTConverter: activation_checkpoint %s does not save %s, so the backward recomputes "
+                       "them (a btt layer's block GEMMs run twice); add comera_compile.titan.saved_ops() to its "
+                       "get_save_ops()", type(ac_config).__qualname__, sorted(str(op) for op in missing))
+    return ac_config
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ CPU processes over gloo. Skipped without torchtitan (CI runs it in a venv with t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -160,6 +161,98 @@ def test_wrap_parallelize_refuses_full_mesh_dtensor_backends(backend, world_size
     parallelize = titan.wrap_parallelize(lambda m, **kw: pytest.fail("parallelize_fn ran"))
     with pytest.raises(NotImplementedError, match="spmd_backend='partial_dtensor'"):
         parallelize(model, parallel_dims=_dims(backend, world_size), compile_config=CompileConfig())
+
+
+class _FFN(torch.nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(d, h, bias=False)
+        self.w2 = torch.nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _sac_step(policy_cls, model, x):
+    """One compiled forward and backward of ``model`` under ``policy_cls``'s selective checkpointing, the
+    comera passes inside Inductor (as torchtitan runs them); the comera ops of each post-grad graph."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC as TitanSAC  # noqa: F401
+
+    wrapped = policy_cls(policy_cls.Config())._wrap_block(model)
+    graphs = []
+    torch._dynamo.reset()
+    with cc.use_with_inductor(titan.INDUCTOR_OPTIONS), \
+            torch._inductor.config.patch(post_grad_custom_post_pass=graphs.append):
+        torch.compile(wrapped)(x).sum().backward()
+    return [sorted(str(n.target) for n in g.nodes if n.op == "call_function" and "comera" in str(n.target))
+            for g in graphs]
+
+
+def test_selective_checkpointing_saves_the_btt_blocks_instead_of_recomputing_them():
+    """torchtitan's SelectiveAC recomputes every op it does not know as compute-intensive: a btt FFN's
+    block GEMMs (the planner's "blocks" path at d 2048) run again in the backward. comera's SelectiveAC
+    saves them: its backward holds no forward op, and the gradients are those without checkpointing."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC as TitanSAC
+
+    torch.manual_seed(0)
+    base = _FFN(2048, 6144)
+    cc.tensorize_(base, cc.TTConfig(fmt="btt", rank=1, min_size=0))
+    x = torch.randn(16, 2048, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for name, policy in (("titan", TitanSAC), ("comera", titan.SelectiveAC)):
+        model = copy.deepcopy(base)
+        fwd, bwd = _sac_step(policy, model, x)
+        assert fwd.count("comera.btt_blocks.default") == 2, fwd  # w1 and w3 as one group, then w2
+        assert bwd.count("comera.btt_blocks.default") == (2 if name == "titan" else 0), (name, bwd)
+        assert bwd.count("comera.btt_blocks_backward.default") == 2, bwd
+        grads[name] = [p.grad for p in model.parameters()]
+    model = copy.deepcopy(base)
+    model(x).sum().backward()  # eager, no checkpointing
+    for got in grads.values():
+        for a, b in zip(got, [p.grad for p in model.parameters()]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_comera_selective_ac_saves_torchtitans_ops_and_the_comera_ops():
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC as TitanSAC
+
+    ours, theirs = titan.SelectiveAC(titan.SelectiveAC.Config()), TitanSAC(TitanSAC.Config())
+    assert ours.get_save_ops() == set(theirs.get_save_ops()) | titan.saved_ops()
+    assert {str(op) for op in titan.saved_ops()} == {f"{name}.default".replace("::", ".") for name in titan.SAVED_OPS}
+    assert isinstance(titan.SelectiveAC.Config(), TitanSAC.Config)  # torchtitan's checks of SAC apply to it
+
+
+def test_wrap_parallelize_hands_on_comeras_selective_ac_for_a_tensorized_model(caplog):
+    """torchtitan's own SelectiveAC.Config becomes comera's (same fields) for a TT model; other policies,
+    and dense models, are handed on as they are; a SelectiveAC subclass that would recompute the comera
+    ops is kept, with a warning."""
+    import logging
+
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC as TitanSAC
+
+    class Mine(TitanSAC):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(TitanSAC.Config):
+            pass
+
+    def handed(model, ac_config):
+        seen = []
+        parallelize = titan.wrap_parallelize(lambda m, **kw: seen.append(kw["ac_config"]) or m)
+        parallelize(model, parallel_dims=_dims(), compile_config=CompileConfig(), ac_config=ac_config)
+        return seen[0]
+
+    tt = titan.TTConverter.Config(rank=4, min_size=0, inductor_passes=False, tt_params="shard")
+    given = TitanSAC.Config(preserve_rng_state=False, force_recompute_mm_shapes_by_fqns=["w2"])
+    got = handed(build(tt), given)
+    assert type(got) is titan.SelectiveAC.Config
+    assert not got.preserve_rng_state and got.force_recompute_mm_shapes_by_fqns == ["w2"]
+    assert handed(build(), given) is given  # a dense model: nothing changes
+    for other in (FullAC.Config(), None, titan.SelectiveAC.Config()):
+        assert handed(build(tt), other) is other
+    mine = Mine.Config()
+    with caplog.at_level(logging.WARNING, logger="comera_compile"):
+        assert handed(build(tt), mine) is mine
+    assert "does not save" in caplog.text and "comera.btt_blocks" in caplog.text
 
 
 def test_converter_config_refuses_an_unknown_tt_params():
