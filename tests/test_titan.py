@@ -309,6 +309,7 @@ def test_rank_adaptation_hooks_on_torchtitans_optimizer_prune_without_fsdp():
 
 def test_the_example_configs_parse_with_torchtitans_config_manager():
     from torchtitan.config import ConfigManager
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     config = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera",
                                          "--training.steps", "7", "--dump_folder", "/tmp/x"])
@@ -318,6 +319,9 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
     assert (converter.fmt, converter.rank, config.model_spec.model.dim) == ("btt", None, 2048)
     assert converter.tt_config().resolve("Linear", 2048, 8192)[:2] == ("btt", 1)
     assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [4.8e-3] * 4
+    assert type(config.activation_checkpoint) is SelectiveAC.Config  # wrap_parallelize hands on titan.SelectiveAC
+    recompute = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_recompute"])
+    assert type(recompute.activation_checkpoint) is comera_configs.RecomputingSAC.Config
     dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])
     assert isinstance(dense.loss, ChunkedLossWrapper.Config) and not hasattr(dense.model_spec.model,
                                                                               "_comera_tt_converter")

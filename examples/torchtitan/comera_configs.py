@@ -14,7 +14,9 @@ Four variants of each model, the same data, schedule and batch:
   dense baseline that runs on every torch here;
 * ``*_fused``: the fused LM-head loss (``comera_compile.titan.FusedCrossEntropyLoss``);
 * ``*_comera``: the fused loss and the blocks' Linears as tensor trains (``TTConverter``), with
-  ``cc.param_groups``' learning-rate groups.
+  ``cc.param_groups``' learning-rate groups;
+* ``llama3_2048_comera_recompute``: ``*_comera`` under torchtitan's own selective checkpointing, which
+  recomputes the comera ops in the backward (``titan.SelectiveAC``, the default, saves them).
 
 Models: ``llama3_2048_*`` (Llama-3 style, d 2048, 16 layers, 32 heads, 8 KV heads, vocab 32768, seq
 2048; for one GPU) and ``llama3_tiny_*`` (d 64, 2 layers, vocab 256, seq 32; the CPU smoke run, with
@@ -198,6 +200,22 @@ def llama3_2048_fused() -> Trainer.Config:
 def llama3_2048_comera() -> Trainer.Config:
     # btt r1 trains best at a higher lr than its dense twin (cc.param_groups' docs: 4.8e-3 to 9.6e-3 at d 2048)
     return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=4.8e-3)
+
+
+class RecomputingSAC(SelectiveAC):
+    """torchtitan's selective checkpointing as it is, the comera ops recomputed in the backward (a subclass,
+    so that ``titan.wrap_parallelize`` keeps it, with a warning, instead of saving them)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+
+def llama3_2048_comera_recompute() -> Trainer.Config:
+    # the comera variant under torchtitan's own SelectiveAC: what titan.SelectiveAC's saving is worth
+    config = llama3_2048_comera()
+    config.activation_checkpoint = RecomputingSAC.Config()
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
