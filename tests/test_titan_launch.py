@@ -23,9 +23,8 @@ def clean_modules(monkeypatch):
     sys.modules.update(saved)
 
 
-def test_a_missing_package_is_stood_in_for_and_refuses_use(monkeypatch, clean_modules):
-    monkeypatch.setattr(launch, "_missing", lambda package: True)
-    assert launch._offline_stubs() == ["datasets", "tensorboard"]
+def test_a_missing_package_is_stood_in_for_and_refuses_use(clean_modules):
+    assert launch._offline_stubs(missing=lambda package: True) == ["datasets", "tensorboard"]
     from datasets import Dataset, load_dataset  # noqa: F401  - the import torchtitan does
     from datasets.distributed import split_dataset_by_node
     from torch.utils.tensorboard import SummaryWriter
@@ -35,10 +34,9 @@ def test_a_missing_package_is_stood_in_for_and_refuses_use(monkeypatch, clean_mo
             call()
 
 
-def test_an_installed_package_is_used_as_it_is(monkeypatch, clean_modules):
-    monkeypatch.setattr(launch, "_missing", lambda package: False)
+def test_an_installed_package_is_used_as_it_is(clean_modules):
     before = {name: sys.modules.get(name) for name in ("datasets", "torch.utils.tensorboard")}
-    assert launch._offline_stubs() == []
+    assert launch._offline_stubs(missing=lambda package: False) == []
     assert {name: sys.modules.get(name) for name in before} == before
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,16 +103,16 @@ def _stub(name: str, package: str, **attrs) -> types.ModuleType:
     return module
 
 
-def _offline_stubs() -> list[str]:
-    """Stand-ins for ``datasets`` and ``torch.utils.tensorboard`` where the packages are missing; returns
-    the names stubbed."""
+def _offline_stubs(missing: Callable[[str], bool] = _missing) -> list[str]:
+    """Stand-ins for ``datasets`` and ``torch.utils.tensorboard`` where the packages are missing (by
+    ``missing(package)``); returns the names stubbed."""
     stubbed = []
-    if _missing("datasets"):
+    if missing("datasets"):
         _stub("datasets", "datasets", Dataset="class", IterableDataset="class", load_dataset="function",
               interleave_datasets="function")
         _stub("datasets.distributed", "datasets", split_dataset_by_node="function")
         stubbed.append("datasets")
-    if _missing("tensorboard"):
+    if missing("tensorboard"):
         _stub("torch.utils.tensorboard", "tensorboard", SummaryWriter="class")
         stubbed.append("tensorboard")
     return stubbed
