@@ -51,9 +51,10 @@ F``, each returning a ``Trainer.Config``) rather than TOML files, and its model 
   (:class:`comera_compile.losses.FusedLinearCrossEntropyLoss`).
 * **rank adaptation**: :func:`attach_rank_adaptation` registers :class:`comera_compile.RankAdaptation`'s
   step hooks on the torchtitan optimizer that holds the TT parameters (``configure(...,
-  rank_adaptation=RankConfig(...))`` sets it as the model spec's ``post_optimizer_build_fn``). Pruning
-  changes the cores' shapes, which FSDP2 cannot follow; torchtitan always applies FSDP2 (also on one
-  GPU), so under torchtitan's trainer this raises ``NotImplementedError`` when the optimizer is built.
+  rank_adaptation=RankConfig(...))`` sets it as the model spec's ``post_optimizer_build_fn``). FSDP2,
+  which torchtitan always applies (also on one GPU), fixes the parameters' shapes, so the ranker prunes
+  by masking there (the pruned gates held at zero; ``rank_adaptation.shrink_`` slices them off the
+  unsharded model afterwards).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from torchtitan.protocols.module import Module
 from comera_compile import tt
 from comera_compile._logging import logger
 from comera_compile.losses import IGNORE_INDEX, FusedLinearCrossEntropyLoss
-from comera_compile.tensorize import TTConfig, iter_tt_layers, require_unsharded, tensorize_
+from comera_compile.tensorize import TTConfig, iter_tt_layers, tensorize_
 from comera_compile.tensorize.checkpoint import TT_FILE, read_layout, save_with_layout, tt_layout
 
 __all__ = [
@@ -386,8 +387,8 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     """``parallelize_fn`` (a ``ModelSpec``'s) that, for a model built by :class:`TTConverter` (nothing
     for other models), first checks the parallelism it supports, replicates the TT parameters
     (``tt_params``), installs the comera passes in torchtitan's Inductor compile of the blocks
-    (``inductor_passes``), and hands on torchtitan's ``SelectiveAC`` as :class:`SelectiveAC`. torchtitan applies FSDP2 whatever the number of GPUs, so this always runs
-    for such a model."""
+    (``inductor_passes``), and hands on torchtitan's ``SelectiveAC`` as :class:`SelectiveAC`. torchtitan
+    applies FSDP2 whatever the number of GPUs, so this always runs for such a model."""
     if getattr(parallelize_fn, "_comera_wrapped", False):
         return parallelize_fn
 
@@ -594,14 +595,15 @@ def attach_rank_adaptation(optimizers, model_parts: list[nn.Module], rank_config
     """:class:`comera_compile.RankAdaptation` on the optimizer of torchtitan's ``OptimizersContainer``
     (``optimizers``) that holds the TT parameters: its step pre- and post-hooks (penalty, pruning).
     Feed it the loss each step (``ranker.observe(loss)``) or leave it to the late stage's switch
-    (``switch=<step>``). Raises ``NotImplementedError`` where FSDP2 manages the TT parameters
-    (``DTensor`` s): pruning resizes them."""
+    (``switch=<step>``). Where FSDP2 holds the TT parameters (``DTensor`` s of fixed shapes: always, in
+    torchtitan's trainer), the ranker prunes by masking (``prune_mode="mask"``: the pruned gates held at
+    zero, the shapes kept); :func:`comera_compile.rank_adaptation.shrink_` slices them off the model
+    loaded unsharded from the checkpoint."""
     from comera_compile.rank_adaptation import RankAdaptation
 
     if len(model_parts) != 1:
         raise NotImplementedError("attach_rank_adaptation: one model part (no pipeline parallelism)")
     model = model_parts[0]
-    require_unsharded(model, "RankAdaptation under torchtitan")
     ids = {id(layer.param.core_flat) for layer in iter_tt_layers(model)}
     holders = [opt for opt in getattr(optimizers, "optimizers", [optimizers])
                if any(id(p) in ids for group in opt.param_groups for p in group["params"])]
@@ -629,7 +631,7 @@ def configure(config, *, tt: TTConverter.Config | None = None,
     * ``fused_loss``: True or a :class:`FusedCrossEntropyLoss.Config`: the loss slot (torchtitan then
       skips the model's head and hands it to the loss).
     * ``rank_adaptation``: a :class:`comera_compile.RankConfig`: :func:`attach_rank_adaptation` as the
-      model spec's ``post_optimizer_build_fn`` (refused under FSDP2, see there).
+      model spec's ``post_optimizer_build_fn`` (masked pruning under FSDP2, see there).
     """
     spec = config.model_spec
     if spec is None:

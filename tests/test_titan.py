@@ -376,12 +376,22 @@ def _fsdp_run(rank: int, loss_fn, batches) -> dict:
     container = OptimizersContainer.Config(param_groups=titan.param_group_configs(1e-3),
                                            implementation="for-loop").build(model_parts=[model])
     container.step()  # AdamW over sharded and replicated DTensors on one mesh
-    try:
-        titan.attach_rank_adaptation(container, [model], cc.RankConfig(target_compression=2.0))
-        refused = ""
-    except NotImplementedError as exc:
-        refused = str(exc)
-    return {"placements": placements, "loss": loss, "grads": grads, "norm": norm, "refused": refused}
+    container.zero_grad()
+    # rank adaptation over the DTensor gates: masked pruning (every gate below the threshold: each bond keeps 1)
+    ranker = titan.attach_rank_adaptation(container, [model], cc.RankConfig(
+        target_compression=2.0, prune_every=1, threshold=2.0, switch="manual"))
+    sizes = {layer.fqn: list(layer.param.gate_sizes) for layer in cc.iter_tt_layers(model)}
+    for tokens, labels in batches[rank][:1]:
+        part, _ = loss_fn(model(tokens), labels, valid)
+        part.backward()
+        ranker.observe(part.detach())
+    container.step()
+    live = {layer.fqn: [int(g.ne(0).sum()) for g in layer.param.gate_flat.detach().full_tensor().split(
+        layer.param.gate_sizes)] for layer in cc.iter_tt_layers(model)}
+    ranking = {"mode": ranker.prune_mode, "events": ranker.prune_events, "ranks": ranker.ranks(), "live": live,
+               "sizes": sizes, "sizes_after": {layer.fqn: list(layer.param.gate_sizes)
+                                               for layer in cc.iter_tt_layers(model)}}
+    return {"placements": placements, "loss": loss, "grads": grads, "norm": norm, "ranking": ranking}
 
 
 def _fsdp_scenario(rank: int) -> dict:
@@ -441,10 +451,16 @@ def test_fsdp2_decoder_gradients_match_one_process_float64(fsdp_results):
                                        msg=lambda m: f"{name}: {m}")
 
 
-def test_rank_adaptation_is_refused_where_fsdp2_holds_the_cores(fsdp_results):
-    for res in fsdp_results:
-        assert res["fused"]["refused"].startswith("RankAdaptation under torchtitan changes the shapes"), \
-            res["fused"]["refused"]
+def test_rank_adaptation_masks_the_gates_where_fsdp2_holds_the_cores(fsdp_results):
+    """FSDP2 fixes the TT parameters' shapes: the ranker prunes by masking (the exact match with a
+    one-process run is tests/rank_adaptation/test_rank_adaptation_mask.py's); every process decides alike."""
+    rankings = [res["fused"]["ranking"] for res in fsdp_results]
+    for ranking in rankings:
+        assert ranking["mode"] == "mask" and ranking["events"] == 1
+        assert ranking["sizes_after"] == ranking["sizes"]  # no shape changed
+        assert ranking["ranks"] == ranking["live"] == {k: [1] * len(v) for k, v in ranking["sizes"].items()}
+        assert any(max(v) > 1 for v in ranking["sizes"].values())
+    assert rankings[0]["ranks"] == rankings[1]["ranks"]
 
 
 def test_the_validators_stream_follows_the_training_streams_rule():

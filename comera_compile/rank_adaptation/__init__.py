@@ -73,6 +73,15 @@ model recompiles once after a pruning event that changes shapes and the comera p
 (its plans are keyed on the ranks). Each such event raises ``torch._dynamo.config.recompile_limit``
 by ``recompiles_per_event`` when needed (logged), so the old entries never push the model to eager.
 
+**FSDP2.** ``fully_shard`` holds the TT parameters as ``DTensor`` s of fixed shapes, so there pruning
+masks instead (``prune_mode="mask"``, chosen by ``"auto"``): the pruned gates are set to zero and held
+at zero after every step, the shapes stay (no recompile), and :meth:`RankAdaptation.ranks` /
+:meth:`~RankAdaptation.num_params` count the gates left. The layers compute what the sliced ones would.
+The gates are read whole (one all-gather per layer where they are needed) and the penalty is written
+into each process's shard. :func:`shrink_` slices the masked ranks off an unsharded model (e.g. loaded
+from the checkpoint), for the smaller, faster model; a resumed run reads the masks from the gates that
+are exactly zero.
+
 **Distributed.** With ``torch.distributed`` initialized, the observed loss is averaged over the
 ranks each step and the gate values that decide a pruning event are broadcast from rank 0, so every
 rank makes the same decisions. Changing parameter shapes invalidates a ``DistributedDataParallel``
@@ -84,6 +93,7 @@ The package by job:
 * :mod:`~comera_compile.rank_adaptation.objective`: ``S(g)``, ``W_0``, the penalty gradient and the
   effective size (:func:`size_coefficients`);
 * :mod:`~comera_compile.rank_adaptation.pruning`: which gates survive, the layers sliced to them;
+* :mod:`~comera_compile.rank_adaptation.sharded`: FSDP2's gates read whole and written per shard;
 * :mod:`~comera_compile.rank_adaptation.distributed`: the collectives that keep processes in step;
 * :mod:`~comera_compile.rank_adaptation.ranker`: :class:`RankAdaptation`, its hooks, stages and state;
 * :mod:`~comera_compile.rank_adaptation.plot`: the history as a figure.
@@ -91,6 +101,7 @@ The package by job:
 
 from comera_compile.rank_adaptation.config import RankConfig
 from comera_compile.rank_adaptation.objective import size_coefficients
+from comera_compile.rank_adaptation.pruning import shrink_
 from comera_compile.rank_adaptation.ranker import RankAdaptation
 
-__all__ = ["RankAdaptation", "RankConfig", "size_coefficients"]
+__all__ = ["RankAdaptation", "RankConfig", "shrink_", "size_coefficients"]

@@ -13,6 +13,7 @@ WEIGHTS = ("params", "flops")
 SCALES = ("grad", "absolute")
 SWITCHES = ("auto", "manual")
 LOSS_SOURCES = ("output", "observe")
+PRUNE_MODES = ("auto", "slice", "mask")
 
 
 def _is_int(value) -> bool:
@@ -45,6 +46,11 @@ class RankConfig:
         > 0: the gates' optimizer step is multiplied by it (their lr, for torch's first-order
         optimizers).
       * ``recompiles_per_event`` (>= 0): how far the Dynamo recompile limit is raised per shape change.
+      * ``prune_mode``: ``"slice"`` (the pruned ranks removed, the cores sliced), ``"mask"`` (the pruned
+        gates set to zero and held there after every step; the shapes stay, for FSDP2, whose sharded
+        parameters cannot change shape: :func:`~comera_compile.rank_adaptation.shrink_` slices them off
+        later, on an unsharded model) or ``"auto"`` (default: ``"mask"`` where FSDP2 holds the TT
+        parameters as ``DTensor`` s, else ``"slice"``).
 
     The stages:
       * ``switch``: ``"auto"``, ``"manual"`` or a step number (>= 0); ``converge_window`` (steps,
@@ -77,6 +83,7 @@ class RankConfig:
     recompiles_per_event: int = 2
     min_rank: int = 1
     gate_lr_scale: float | str = "auto"
+    prune_mode: str = "auto"
 
     def __post_init__(self) -> None:
         def fail(name: str, accepts: str) -> NoReturn:
@@ -102,6 +109,8 @@ class RankConfig:
         for name in ("loss_ema", "grad_ema"):
             if not (_is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1):
                 fail(name, "in [0, 1)")
+        if self.prune_mode not in PRUNE_MODES:
+            fail("prune_mode", f"one of {PRUNE_MODES}")
         if self.scale not in SCALES:
             fail("scale", f"one of {SCALES}")
         if not _is_int(self.min_rank) or self.min_rank < 0:

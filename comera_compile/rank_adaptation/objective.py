@@ -18,6 +18,7 @@ from typing import Collection, NamedTuple, Sequence
 import torch
 
 from comera_compile import tt
+from comera_compile.rank_adaptation import sharded
 from comera_compile.rank_adaptation.config import WEIGHTS
 from comera_compile.rank_adaptation.pruning import kept_rank
 from comera_compile.tensorize import TTParametrization
@@ -56,7 +57,9 @@ def size_coefficients(spec: tt.TTSpec, weight: str = "params") -> list[float]:
 
 
 def mean_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The mean ``|x|`` over every entry of ``tensors`` (a 0-d float32 tensor; no host sync)."""
+    """The mean ``|x|`` over every entry of ``tensors`` (a 0-d float32 tensor; no host sync; ``DTensor`` s
+    are gathered first)."""
+    tensors = [sharded.full(t) for t in tensors]
     total = torch.stack(torch._foreach_norm(tensors, 1)).float().sum()
     return total / sum(t.numel() for t in tensors)
 
@@ -88,14 +91,17 @@ class SizeObjective:
         self._layout: GateLayout | None = None
         self.size_ref = max(self.mean_gate_weight(min_rank), 1e-30)
 
-    def layout(self, min_rank: int) -> GateLayout:
-        """The index maps over all layers' gates, rebuilt when a pruning event changed the sizes."""
+    def layout(self, min_rank: int, live: tuple | None = None) -> GateLayout:
+        """The index maps over all layers' gates, rebuilt when a pruning event changed the sizes.
+        ``live``: per layer, per bond, the gates not masked (``prune_mode="mask"``; None: all), which
+        decide whether a bond is above ``min_rank``."""
         device = self.params[0].gate_flat.device
-        key = (device, tuple(tuple(param.gate_sizes) for param in self.params), min_rank)
+        sizes_now = tuple(tuple(param.gate_sizes) for param in self.params)
+        key = (device, sizes_now, min_rank, live)
         if self._layout is not None and self._layout.key == key:
             return self._layout
         bond_of, left, right, c_left, c_right, active = [], [], [], [], [], []
-        for sizes, coeffs in zip(key[1], self.coeffs):
+        for sizes, alive, coeffs in zip(sizes_now, live or sizes_now, self.coeffs):
             first = len(left)  # rho of global bond j sits at j + 1 in [1, rho...]
             for k, size in enumerate(sizes):  # gate k sits on bond k + 1, between cores k and k + 1
                 bond_of += [first + k] * size
@@ -103,16 +109,16 @@ class SizeObjective:
                 right.append(first + k + 2 if k + 1 < len(sizes) else 0)
                 c_left.append(coeffs[k])
                 c_right.append(coeffs[k + 1])
-                active.append(1.0 if size > min_rank else 0.0)
+                active.append(1.0 if alive[k] > min_rank else 0.0)
         self._layout = GateLayout(
             key, *(torch.tensor(v, dtype=torch.long, device=device) for v in (bond_of, left, right)),
             *(torch.tensor(v, dtype=torch.float32, device=device) for v in (c_left, c_right, active)),
-            [sum(sizes) for sizes in key[1]])
+            [sum(sizes) for sizes in sizes_now])
         return self._layout
 
     def gates(self) -> torch.Tensor:
         """Every layer's gates, end to end (detached)."""
-        return torch.cat([param.gate_flat.detach() for param in self.params])
+        return torch.cat([sharded.full(param.gate_flat.detach()) for param in self.params])
 
     @staticmethod
     def bond_weights(layout: GateLayout, gates: torch.Tensor) -> torch.Tensor:
@@ -133,14 +139,16 @@ class SizeObjective:
         """``S(g)``: ``sum c_k * rho_{k-1} * rho_k`` over the layers, ``rho = ||g||_1`` (unnormalized)."""
         total = 0.0
         for param, coeffs in zip(self.params, self.coeffs):
-            rho = [1.0] + [float(g.detach().abs().sum()) for g in param.gates] + [1.0]
+            gates = sharded.full(param.gate_flat.detach()).split(param.gate_sizes)
+            rho = [1.0] + [float(g.abs().sum()) for g in gates] + [1.0]
             total += sum(c * rho[k] * rho[k + 1] for k, c in enumerate(coeffs))
         return total
 
-    def penalty(self, gamma: float | torch.Tensor, min_rank: int) -> list[torch.Tensor]:
+    def penalty(self, gamma: float | torch.Tensor, min_rank: int, live: tuple | None = None) -> list[torch.Tensor]:
         """``d(gamma * S(g) / W_0) / dg`` of each layer, laid out like its ``gate_flat`` (float32);
-        tensors throughout, a fixed number of ops per step: no host synchronization on the GPU."""
-        layout = self.layout(min_rank)
+        tensors throughout, a fixed number of ops per step: no host synchronization on the GPU.
+        ``live``: as for :meth:`layout`."""
+        layout = self.layout(min_rank, live)
         gates = self.gates()
         weights = self.bond_weights(layout, gates) * layout.active * (gamma / self.size_ref)
         return list((torch.sign(gates).float() * weights[layout.bond_of]).split(layout.entries))

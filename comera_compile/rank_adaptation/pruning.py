@@ -16,13 +16,13 @@ import logging
 
 import torch
 
-from comera_compile.rank_adaptation import distributed
+from comera_compile.rank_adaptation import distributed, sharded
 from comera_compile.tensorize import TTParametrization
 
 log = logging.getLogger(__name__)
 
-__all__ = ["decision_magnitudes", "floored_bond", "is_zeroed", "kept_rank", "raise_recompile_limit",
-           "slice_bonds", "surviving", "zero_layer"]
+__all__ = ["decision_magnitudes", "floored_bond", "is_zeroed", "kept_rank", "keep_mask", "raise_recompile_limit",
+           "shrink_", "slice_bonds", "surviving", "zero_layer"]
 
 
 def kept_rank(above: int, size: int, min_rank: int, rank_multiple: int) -> int:
@@ -48,7 +48,8 @@ def surviving(mag: torch.Tensor, threshold: float, min_rank: int, rank_multiple:
 def decision_magnitudes(params: list[TTParametrization]) -> list[list[torch.Tensor]]:
     """Every layer's gate magnitudes per bond (CPU, float32) that a pruning event decides on: rank
     0's under torch.distributed."""
-    mags = [[g.detach().abs().float().cpu() for g in param.gates] for param in params]
+    mags = [[g.abs().float().cpu() for g in sharded.full(param.gate_flat.detach()).split(param.gate_sizes)]
+            for param in params]
     dist = distributed.world()
     if dist is not None:
         mags = distributed.broadcast_from_first(dist, mags, params[0].gate_flat.device)
@@ -79,18 +80,58 @@ def slice_bonds(param: TTParametrization, keeps: list[torch.Tensor], optimizer: 
     return cut
 
 
-def zero_layer(param: TTParametrization, optimizer: torch.optim.Optimizer) -> None:
-    """Rank 1 on every bond, everything zero (cores, gates, their gradients and optimizer state):
+def keep_mask(param: TTParametrization, keeps: list[torch.Tensor]) -> torch.Tensor:
+    """``gate_flat``'s entries as 1 where bond k keeps the gates ``keeps[k]``, else 0 (CPU, float32)."""
+    masks = []
+    for keep, size in zip(keeps, param.gate_sizes):
+        mask = torch.zeros(size)
+        mask[keep] = 1.0
+        masks.append(mask)
+    return torch.cat(masks) if masks else torch.zeros(0)
+
+
+@torch.no_grad()
+def shrink_(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, list[int]]:
+    """Slice every tensor-train layer of ``model`` to its gates that are not exactly zero (what
+    ``prune_mode="mask"`` leaves), keeping at least one per bond (a bond whose every gate is zero
+    zeroes its layer, as :func:`zero_layer`); ``optimizer``: its state tensors are sliced too. For a
+    model trained under FSDP2, call it on the unsharded model (e.g. loaded from the checkpoint), before
+    the sharding. Returns every layer's ranks after it. The layers compute what they computed."""
+    from comera_compile.tensorize import iter_tt_layers, require_unsharded
+
+    require_unsharded(model, "shrink_")
+    optimizers = [] if optimizer is None else [optimizer]
+    ranks = {}
+    for layer in iter_tt_layers(model):
+        param = layer.param
+        keeps = [g.detach().ne(0).nonzero().flatten().cpu() for g in param.gates]
+        if any(k.numel() == 0 for k in keeps):
+            zero_layer(param, optimizer)
+            ranks[layer.fqn] = [0] * len(param.gate_sizes)
+            continue
+        positions, cut = param.positions(), False
+        for k, keep in enumerate(keeps):
+            if keep.numel() < param.gate_sizes[k]:
+                _keep_bond(positions, k, keep)
+                cut = True
+        if cut:
+            param.relayout_(*positions, optimizers=optimizers)
+        ranks[layer.fqn] = list(param.gate_sizes)
+    return ranks
+
+
+def zero_layer(param: TTParametrization, optimizer: torch.optim.Optimizer | None) -> None:
+    """Rank 1 on every bond, everything zero (cores, gates, their gradients and ``optimizer``'s state):
     the layer's weight is zero for good."""
     positions = param.positions()
     for k in range(len(param.gate_sizes)):
         _keep_bond(positions, k, torch.zeros(1, dtype=torch.long))
-    param.relayout_(*positions, optimizers=[optimizer])
+    param.relayout_(*positions, optimizers=[] if optimizer is None else [optimizer])
     for p in (param.core_flat, param.gate_flat):
         p.data.zero_()
         if p.grad is not None:
             p.grad.zero_()
-        for value in optimizer.state.get(p, {}).values():
+        for value in ({} if optimizer is None else optimizer.state.get(p, {})).values():
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
                 value.zero_()
 
@@ -98,7 +139,7 @@ def zero_layer(param: TTParametrization, optimizer: torch.optim.Optimizer) -> No
 def is_zeroed(param: TTParametrization) -> bool:
     """Whether the layer's weight is zero for good: a bond with every gate exactly zero (what
     :func:`zero_layer` leaves)."""
-    gates = param.gate_flat.detach()
+    gates = sharded.full(param.gate_flat.detach())
     return bool(gates.numel()) and any(not bool(g.any()) for g in gates.split(param.gate_sizes))
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
-from comera_compile.rank_adaptation import distributed, pruning
+from comera_compile.rank_adaptation import distributed, pruning, sharded
 from comera_compile.rank_adaptation.config import RankConfig
 from comera_compile.rank_adaptation.objective import SizeObjective, mean_abs
 from comera_compile.rank_adaptation.plot import plot_history
@@ -141,6 +141,9 @@ class RankAdaptation:
         self.recompiles_per_event = config.recompiles_per_event
         self.min_rank = config.min_rank
         self.gate_lr_scale = config.gate_lr_scale
+        self.prune_mode = self._resolve_prune_mode(config.prune_mode)
+        self._masks: dict[str, torch.Tensor] = {}  # prune_mode "mask": each masked layer's gate_flat mask (CPU)
+        self._masks_read = False  # the masks of gates already zero (a checkpoint's) are read at the first step
         self._gate_scales = self._resolve_gate_scales()
         self._check_prunable()
 
@@ -180,6 +183,24 @@ class RankAdaptation:
                          optimizer.register_step_post_hook(self._post_step)]
         if config.loss_from == "output":
             self._handles.append(self.model.register_forward_hook(self._capture_output))
+
+    def _resolve_prune_mode(self, mode: str) -> str:
+        """``"auto"``: ``"mask"`` where FSDP2 holds the TT parameters (``DTensor`` s, whose shapes are fixed),
+        else ``"slice"``; ``"slice"`` over such parameters raises, naming the layers."""
+        sharded_layers = [lay.fqn for lay in self.layers
+                          if any(sharded.is_dtensor(p) for p in (lay.param.core_flat, lay.param.gate_flat))]
+        if mode == "auto":
+            mode = "mask" if sharded_layers else "slice"
+            if sharded_layers:
+                log.info("RankAdaptation: FSDP2 holds the TT parameters: pruning masks the gates (prune_mode='mask'); "
+                         "rank_adaptation.shrink_ slices them off an unsharded model")
+        elif mode == "slice" and sharded_layers:
+            raise NotImplementedError(
+                f"RankAdaptation(prune_mode='slice'): FSDP2 (fully_shard) holds the TT parameters of "
+                f"{sharded_layers[:4]}{' ...' if len(sharded_layers) > 4 else ''} as DTensors of fixed shapes, which "
+                "slicing cannot change; use prune_mode='mask' (or 'auto'), then rank_adaptation.shrink_ on the "
+                "unsharded model")
+        return mode
 
     def _resolve_gate_scales(self) -> list[float]:
         """Each layer's gate step multiplier (``gate_lr_scale``): ``"auto"`` gives 10 to gates that would
@@ -273,24 +294,43 @@ class RankAdaptation:
         zeroed layer (one whose bond lost every gate with ``min_rank=0``: its cores are kept at
         rank 1, all zero). The same numbers come back from a checkpoint: a zeroed layer is
         recognized by its gates (all zero on a bond), with or without the ranker's state."""
-        return {lay.fqn: [0 if lay.fqn in self.dead else n for n in lay.param.gate_sizes] for lay in self.layers}
+        out = {}
+        for lay in self.layers:
+            sizes = list(lay.param.gate_sizes)
+            mask = self._masks.get(lay.fqn)
+            if mask is not None:  # prune_mode "mask": the gates not masked
+                sizes = [int(m.sum()) for m in mask.split(lay.param.gate_sizes)]
+            out[lay.fqn] = [0 if lay.fqn in self.dead else n for n in sizes]
+        return out
 
     def _find_dead(self) -> list[str]:
         """The layers whose weight is zero for good (a bond with every gate exactly zero)."""
         return [lay.fqn for lay in self.layers if pruning.is_zeroed(lay.param)]
 
-    def num_params(self) -> int:
-        """The model's parameters as they are now (cores and gates included)."""
+    def _stored_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    def _zeroed(self) -> set[int]:
+        dead = set(self.dead)
+        return {i for i, lay in enumerate(self.layers) if lay.fqn in dead}
+
+    def num_params(self) -> int:
+        """The model's parameters as they are now (cores and gates included); with ``prune_mode="mask"``
+        each bond counted at its gates that are not masked (what :func:`shrink_` leaves)."""
+        stored = self._stored_params()
+        if self.prune_mode != "mask" or not self._masks:
+            return stored
+        return self.objective.effective_params(stored, threshold=torch.finfo(torch.float32).tiny, min_rank=0,
+                                               rank_multiple=1, zeroed=self._zeroed())
 
     def effective_params(self, params: int | None = None) -> int:
         """The model's parameters (``params``: :meth:`num_params`, if known) with each bond's rank
         counted as the rank :meth:`prune` would leave it now: its gates >= threshold, at least
         ``min_rank``, rounded up to ``rank_multiple`` (a layer that would lose a bond counts 0)."""
-        dead = set(self.dead)
-        return self.objective.effective_params(
-            self.num_params() if params is None else params, threshold=self.threshold, min_rank=self.min_rank,
-            rank_multiple=self.rank_multiple, zeroed={i for i, lay in enumerate(self.layers) if lay.fqn in dead})
+        if self.prune_mode == "mask" or params is None:
+            params = self._stored_params()  # the layers' own counts are replaced, from their stored size
+        return self.objective.effective_params(params, threshold=self.threshold, min_rank=self.min_rank,
+                                               rank_multiple=self.rank_multiple, zeroed=self._zeroed())
 
     # ------------------------------------------------------------------------------ stages
 
@@ -351,16 +391,33 @@ class RankAdaptation:
     @torch.no_grad()
     def penalty_gradients(self, gamma: float | torch.Tensor) -> list[list[torch.Tensor]]:
         """``d(gamma * S(g) / W_0) / dg`` for every layer's gates (``gamma`` in loss units)."""
-        pushes = self.objective.penalty(gamma, self.min_rank)
+        pushes = self.objective.penalty(gamma, self.min_rank, self._live())
         return [list(push.split(layer.param.gate_sizes)) for layer, push in zip(self.layers, pushes)]
 
+    def _live(self) -> tuple | None:
+        """``prune_mode="mask"``: per layer, per bond, the gates not masked (None: every gate is live)."""
+        if not self._masks:
+            return None
+        ranks = self.ranks()
+        return tuple(tuple(ranks[lay.fqn]) if lay.fqn in self._masks else tuple(lay.param.gate_sizes)
+                     for lay in self.layers)
+
     def _update_grad_ref(self) -> None:
-        """Fold this step's mean ``|dL/dg|`` over the live gates into the running mean (no host sync)."""
-        grads = [lay.param.gate_flat.grad for lay in self.layers
-                 if lay.fqn not in self.dead and lay.param.gate_flat.grad is not None]
-        if not grads:
+        """Fold this step's mean ``|dL/dg|`` over the live gates into the running mean (no host sync;
+        masked gates left out)."""
+        live = [lay for lay in self.layers if lay.fqn not in self.dead and lay.param.gate_flat.grad is not None]
+        if not live:
             return
-        mean = mean_abs(grads)
+        grads = [lay.param.gate_flat.grad for lay in live]
+        if any(lay.fqn in self._masks for lay in live):
+            grads = [sharded.full(g) for g in grads]
+            masks = [self._masks.get(lay.fqn) for lay in live]
+            count = sum(g.numel() if m is None else int(m.sum()) for g, m in zip(grads, masks))
+            total = sum((g.abs().float() if m is None else g.abs().float() * m.to(g.device)).sum()
+                        for g, m in zip(grads, masks))
+            mean = total / max(count, 1)
+        else:
+            mean = mean_abs(grads)
         d = self.grad_ema
         self._grad_ref = mean if self._grad_ref is None else d * self._grad_ref + (1 - d) * mean
 
@@ -370,6 +427,8 @@ class RankAdaptation:
 
     @torch.no_grad()
     def _pre_step(self, optimizer, args, kwargs) -> None:
+        if self.prune_mode == "mask" and not self._masks_read:
+            self._read_masks()
         self._consume_loss()
         self._maybe_switch()
         if self.scale == "grad":
@@ -380,15 +439,15 @@ class RankAdaptation:
         if self._gamma_t == 0 or unit is None:
             return
         grads, pushes = [], []
-        for layer, push in zip(self.layers, self.objective.penalty(self._gamma_t * unit, self.min_rank)):
+        for layer, push in zip(self.layers, self.objective.penalty(self._gamma_t * unit, self.min_rank, self._live())):
             flat = layer.param.gate_flat
             if layer.fqn in self.dead or not flat.requires_grad or not push.numel():
                 continue
             if flat.grad is None:
-                flat.grad = push.to(flat.dtype, copy=True)
+                flat.grad = sharded.like(push.to(flat.dtype, copy=True), flat)
             else:
-                grads.append(flat.grad)
-                pushes.append(push.to(flat.grad.dtype))
+                grads.append(sharded.local(flat.grad))
+                pushes.append(sharded.local(sharded.like(push.to(flat.grad.dtype), flat.grad)))
         if grads:
             torch._foreach_add_(grads, pushes)
 
@@ -396,7 +455,7 @@ class RankAdaptation:
         """The gates whose step ``gate_lr_scale`` multiplies, as they are before the step."""
         chosen = [(lay.param.gate_flat, s) for lay, s in zip(self.layers, self._gate_scales)
                   if s != 1.0 and lay.fqn not in self.dead and lay.param.gate_flat.requires_grad]
-        copies = torch._foreach_mul([p.detach() for p, _ in chosen], 1.0) if chosen else []  # one launch
+        copies = torch._foreach_mul([sharded.local(p.detach()) for p, _ in chosen], 1.0) if chosen else []  # one launch
         self._scaled = [(p, s, copy) for (p, s), copy in zip(chosen, copies)]
 
     def _scale_gate_steps(self) -> None:
@@ -405,10 +464,11 @@ class RankAdaptation:
         scaled, self._scaled = self._scaled, []
         by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for param, s, before in scaled:
-            if param.shape != before.shape:  # resized by someone inside the step: leave it
+            data = sharded.local(param.data)
+            if data.shape != before.shape:  # resized by someone inside the step: leave it
                 continue
             params, deltas = by_scale.setdefault(s, ([], []))
-            params.append(param.data)
+            params.append(data)
             deltas.append(before)
         for s, (params, befores) in by_scale.items():
             torch._foreach_sub_(befores, params)  # before - after = -step
@@ -417,6 +477,7 @@ class RankAdaptation:
     @torch.no_grad()
     def _post_step(self, optimizer, args, kwargs) -> None:
         self._scale_gate_steps()
+        self._apply_masks()
         self.step += 1
         if self.prune_every and self.step % self.prune_every == 0:
             self.prune()
@@ -437,9 +498,31 @@ class RankAdaptation:
         (e.g. to re-wrap a DistributedDataParallel model)."""
         self._callbacks.append(callback)
 
+    def _read_masks(self) -> None:
+        """``prune_mode="mask"``: the layers whose gates are already partly exactly zero (masked before a
+        checkpoint was saved) keep them zero."""
+        self._masks_read = True
+        for layer in self.layers:
+            gates = sharded.full(layer.param.gate_flat.detach()).float().cpu()
+            if layer.fqn not in self._masks and bool((gates == 0).any()):
+                self._masks[layer.fqn] = (gates != 0).float()
+
+    def _apply_masks(self) -> None:
+        """Hold the masked gates at zero (the optimizer's step moved them)."""
+        for layer in self.layers:
+            mask = self._masks.get(layer.fqn)
+            if mask is not None:
+                flat = layer.param.gate_flat
+                sharded.local(flat.data).mul_(sharded.local(sharded.like(mask, flat)))
+
     def _kill(self, layer: _RankedLayer) -> None:
-        """Rank 1 on every bond, everything zero: the layer's weight is zero for good."""
-        pruning.zero_layer(layer.param, self.optimizer)
+        """Rank 1 on every bond, everything zero: the layer's weight is zero for good (``prune_mode=
+        "mask"``: every gate masked)."""
+        if self.prune_mode == "mask":
+            self._masks[layer.fqn] = torch.zeros(layer.param.gate_flat.numel())
+            self._apply_masks()
+        else:
+            pruning.zero_layer(layer.param, self.optimizer)
         self.dead.append(layer.fqn)
         warnings.warn(f"RankAdaptation: step {self.step}: every rank gate of a bond of {layer.fqn} fell below "
                       f"the threshold {self.threshold:g} and min_rank=0 lets the bond go: the layer's weight is "
@@ -463,7 +546,10 @@ class RankAdaptation:
 
     @torch.no_grad()
     def prune(self) -> bool:
-        """Remove the gates below the threshold now; returns whether any shape changed."""
+        """Remove the gates below the threshold now (``prune_mode="mask"``: set them to zero and hold them
+        there); returns whether any shape changed (masked: whether any gate was newly masked)."""
+        if self.prune_mode == "mask":
+            return self._prune_masked()
         changed = False
         mags = pruning.decision_magnitudes([lay.param for lay in self.layers])
         for layer, layer_mags in zip(self.layers, mags):
@@ -486,6 +572,34 @@ class RankAdaptation:
             for callback in self._callbacks:
                 callback(self)
         return changed
+
+    def _prune_masked(self) -> bool:
+        if not self._masks_read:
+            self._read_masks()
+        masked = False
+        mags = pruning.decision_magnitudes([lay.param for lay in self.layers])
+        for layer, layer_mags in zip(self.layers, mags):
+            if layer.fqn in self.dead:
+                continue
+            keeps = [pruning.surviving(m, self.threshold, self.min_rank, self.rank_multiple) for m in layer_mags]
+            if any(k.numel() == 0 for k in keeps):
+                self._kill(layer)
+                masked = True
+                continue
+            self._warn_if_floored(layer, layer_mags)
+            mask = pruning.keep_mask(layer.param, keeps)
+            previous = self._masks.get(layer.fqn)
+            if previous is not None:
+                mask = mask * previous
+            if bool((mask < (1.0 if previous is None else previous)).any()):
+                self._masks[layer.fqn] = mask
+                masked = True
+        if masked:
+            self._apply_masks()
+            self.prune_events += 1
+            log.info("RankAdaptation: step %d masked to %s (%d parameters, %.1fx)", self.step, self.ranks(),
+                     self.num_params(), self.dense_params / max(self.num_params(), 1))
+        return masked
 
     def _raise_recompile_limit(self) -> None:
         self._limit_base = pruning.raise_recompile_limit(self._limit_base,
@@ -524,8 +638,9 @@ class RankAdaptation:
         self._grad_ref = None if ref is None else torch.tensor(ref, dtype=torch.float32, device=device)
         self.history = [dict(h) for h in state["history"]]
         self._limit_base = state.get("limit_base")
+        self._masks, self._masks_read = {}, False  # re-read from the loaded gates at the next step
         self.objective.size_ref = float(state["size_ref"])  # W_0 of the model as first built, not as loaded
-        if self.prune_events:
+        if self.prune_events and self.prune_mode == "slice":
             self._raise_recompile_limit()
 
     def remove(self) -> None:

@@ -54,8 +54,9 @@ def test_the_ranker_exposes_the_config_as_attributes():
     assert config.late_gamma is None and ranker.late_gamma == 0.5 == ranker.gamma  # late_gamma: gamma's
     assert ranker.loss_ema_decay == 0.8 and ranker.gate_lr_scale == 3.0 and isinstance(config.gamma, float)
     for field in dataclasses.fields(RankConfig):
-        if field.name not in ("late_gamma", "loss_ema", "loss_from"):
+        if field.name not in ("late_gamma", "loss_ema", "loss_from", "prune_mode"):
             assert getattr(ranker, field.name) == getattr(config, field.name), field.name
+    assert config.prune_mode == "auto" and ranker.prune_mode == "slice"  # "auto": no FSDP2 here
     # the keyword defaults are RankConfig's
     assert RankAdaptation(net, opt, 4).config == RankConfig(4)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -114,7 +115,8 @@ def test_the_ranker_rejects_unknown_options_and_a_missing_target():
 
 
 def test_the_package_exports_and_keeps_its_old_names():
-    assert rank_adaptation.__all__ == ["RankAdaptation", "RankConfig", "size_coefficients"]
+    assert rank_adaptation.__all__ == ["RankAdaptation", "RankConfig", "shrink_", "size_coefficients"]
+    assert rank_adaptation.shrink_ is rank_adaptation.pruning.shrink_
     assert cc.RankAdaptation is rank_adaptation.RankAdaptation is rank_adaptation.ranker.RankAdaptation
     assert rank_adaptation.size_coefficients is rank_adaptation.objective.size_coefficients
     for module in ("config", "distributed", "objective", "plot", "pruning", "ranker"):
