@@ -23,6 +23,23 @@ def test_env_var_turns_on_package_logging():
     assert "[comera_compile INFO] rewrite [cce]" in out.stderr
 
 
+def test_an_application_root_handler_gets_each_line_once():
+    """torchtitan (and ``logging.basicConfig``) put a handler on the root logger: with COMERA_LOG set, each
+    comera line is printed once, in the application's format, instead of twice."""
+    env = dict(os.environ, COMERA_LOG="info")
+    code = "import logging; logging.basicConfig(level=logging.INFO, format='APP %(name)s %(message)s')\n" + CODE
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "rewrite [cce]" in line]
+    assert len(lines) == 1 and lines[0].startswith("APP comera_compile"), out.stderr
+    # a root handler that drops INFO leaves the line to comera's own handler
+    code = ("import logging; h = logging.StreamHandler(); h.setLevel(logging.WARNING); "
+            "logging.getLogger().addHandler(h)\n" + CODE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in out.stderr.splitlines() if "rewrite [cce]" in line]
+    assert len(lines) == 1 and lines[0].startswith("[comera_compile INFO]"), out.stderr
+
+
 def test_bad_env_var_value_names_valid_levels():
     out = _run("loud")
     assert out.returncode != 0
