@@ -8,12 +8,14 @@ mesh (``--parallelism.spmd_backend partial_dtensor``), torchtitan's seeded init 
   from step 2 that repeats the uninterrupted run's steps 3 and 4;
 * the TT layers lowered by the comera passes inside torchtitan's per-block Inductor compile, the
   losses those of the eager blocks, and 10 such blocks sharing one compiled graph;
+* rank adaptation under torchtitan's FSDP2 (masked pruning);
 * the SPMD backends that hand FSDP2 DTensors on the full mesh are refused, naming the one that works.
 
 Skipped without torchtitan (``pip install -e ".[titan]"``)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -114,6 +116,19 @@ def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
     for step in eager:
         assert compiled[step][0] == pytest.approx(eager[step][0], abs=1e-4), step
         assert compiled[step][1] == pytest.approx(eager[step][1], abs=1e-3), step
+
+
+def test_rank_adaptation_masks_the_ranks_under_torchtitans_fsdp2(tmp_path):
+    """configure(rank_adaptation=...) in torchtitan's trainer at world size 2, blocks compiled: FSDP2 fixes
+    the TT parameters' shapes, so the ranker masks (both ranks decide alike) and training goes on."""
+    rc, out, steps = train("llama3_tiny_comera_ranks", 4, tmp_path / "ranks", "--compile.enable")
+    assert rc == 0, out[-3000:]
+    assert sorted(steps) == [1, 2, 3, 4] and all(loss == loss for loss, _ in steps.values())
+    assert "prune_mode='mask'" in out
+    masked = re.findall(r"RankAdaptation: step (\d+) masked to (\{.*?\}) \(", out)
+    assert [s for s, _ in masked] == ["2", "2"], out[-3000:]  # one event, logged by each rank
+    ranks = ast.literal_eval(masked[0][1])
+    assert masked[0][1] == masked[1][1] and len(ranks) == 10 and all(r == [1] for r in ranks.values())
 
 
 def test_ten_tt_blocks_compiled_one_by_one_share_one_graph(tmp_path):

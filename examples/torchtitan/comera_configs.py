@@ -48,7 +48,7 @@ from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
-from comera_compile import titan
+from comera_compile import RankConfig, titan
 
 
 class NullTokenizer(BaseTokenizer):
@@ -243,3 +243,11 @@ def llama3_tiny_fused() -> Trainer.Config:
 
 def llama3_tiny_comera() -> Trainer.Config:
     return titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3)
+
+
+def llama3_tiny_comera_ranks() -> Trainer.Config:
+    # rank adaptation under torchtitan's FSDP2: pruning masks the gates (the shapes stay); a threshold above
+    # every gate, so that the first event (step 2) takes each bond to rank 1
+    ranks = RankConfig(target_compression=2.0, prune_every=2, threshold=2.0, switch="manual")
+    return titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3,
+                           rank_adaptation=ranks)
