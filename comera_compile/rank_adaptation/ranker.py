@@ -143,6 +143,7 @@ class RankAdaptation:
         self.gate_lr_scale = config.gate_lr_scale
         self.prune_mode = self._resolve_prune_mode(config.prune_mode)
         self._masks: dict[str, torch.Tensor] = {}  # prune_mode "mask": each masked layer's gate_flat mask (CPU)
+        self._device_masks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kept positions, this shard's mask
         self._masks_read = False  # the masks of gates already zero (a checkpoint's) are read at the first step
         self._gate_scales = self._resolve_gate_scales()
         self._check_prunable()
@@ -409,15 +410,10 @@ class RankAdaptation:
         if not live:
             return
         grads = [lay.param.gate_flat.grad for lay in live]
-        if any(lay.fqn in self._masks for lay in live):
-            grads = [sharded.full(g) for g in grads]
-            masks = [self._masks.get(lay.fqn) for lay in live]
-            count = sum(g.numel() if m is None else int(m.sum()) for g, m in zip(grads, masks))
-            total = sum((g.abs().float() if m is None else g.abs().float() * m.to(g.device)).sum()
-                        for g, m in zip(grads, masks))
-            mean = total / max(count, 1)
-        else:
-            mean = mean_abs(grads)
+        if any(lay.fqn in self._masks for lay in live):  # the gates not masked, as slicing would leave them
+            grads = [sharded.full(g).index_select(0, self._device_masks[lay.fqn][0]) if lay.fqn in self._masks
+                     else g for lay, g in zip(live, grads)]
+        mean = mean_abs(grads)
         d = self.grad_ema
         self._grad_ref = mean if self._grad_ref is None else d * self._grad_ref + (1 - d) * mean
 
@@ -455,7 +451,7 @@ class RankAdaptation:
         """The gates whose step ``gate_lr_scale`` multiplies, as they are before the step."""
         chosen = [(lay.param.gate_flat, s) for lay, s in zip(self.layers, self._gate_scales)
                   if s != 1.0 and lay.fqn not in self.dead and lay.param.gate_flat.requires_grad]
-        copies = torch._foreach_mul([sharded.local(p.detach()) for p, _ in chosen], 1.0) if chosen else []  # one launch
+        copies = torch._foreach_mul([sharded.local(p.detach()) for p, _ in chosen], 1.0) if chosen else []  # 1 launch
         self._scaled = [(p, s, copy) for (p, s), copy in zip(chosen, copies)]
 
     def _scale_gate_steps(self) -> None:
@@ -505,21 +501,28 @@ class RankAdaptation:
         for layer in self.layers:
             gates = sharded.full(layer.param.gate_flat.detach()).float().cpu()
             if layer.fqn not in self._masks and bool((gates == 0).any()):
-                self._masks[layer.fqn] = (gates != 0).float()
+                self._set_mask(layer, (gates != 0).float())
+
+    def _set_mask(self, layer: _RankedLayer, mask: torch.Tensor) -> None:
+        """``mask`` (CPU, 1: kept) for ``layer``'s gates, and on the device: the kept positions (for the
+        gradient scale) and the mask laid out as this process's shard of ``gate_flat`` (for the step)."""
+        flat = layer.param.gate_flat
+        self._masks[layer.fqn] = mask
+        kept = mask.nonzero().flatten().to(flat.device)
+        self._device_masks[layer.fqn] = (kept, sharded.local(sharded.like(mask.to(flat.device, flat.dtype), flat)))
 
     def _apply_masks(self) -> None:
-        """Hold the masked gates at zero (the optimizer's step moved them)."""
-        for layer in self.layers:
-            mask = self._masks.get(layer.fqn)
-            if mask is not None:
-                flat = layer.param.gate_flat
-                sharded.local(flat.data).mul_(sharded.local(sharded.like(mask, flat)))
+        """Hold the masked gates at zero (the optimizer's step moved them): one launch."""
+        pairs = [(sharded.local(lay.param.gate_flat.data), self._device_masks[lay.fqn][1])
+                 for lay in self.layers if lay.fqn in self._masks]
+        if pairs:
+            torch._foreach_mul_([p for p, _ in pairs], [m for _, m in pairs])
 
     def _kill(self, layer: _RankedLayer) -> None:
         """Rank 1 on every bond, everything zero: the layer's weight is zero for good (``prune_mode=
         "mask"``: every gate masked)."""
         if self.prune_mode == "mask":
-            self._masks[layer.fqn] = torch.zeros(layer.param.gate_flat.numel())
+            self._set_mask(layer, torch.zeros(layer.param.gate_flat.numel()))
             self._apply_masks()
         else:
             pruning.zero_layer(layer.param, self.optimizer)
@@ -592,7 +595,7 @@ class RankAdaptation:
             if previous is not None:
                 mask = mask * previous
             if bool((mask < (1.0 if previous is None else previous)).any()):
-                self._masks[layer.fqn] = mask
+                self._set_mask(layer, mask)
                 masked = True
         if masked:
             self._apply_masks()
@@ -638,7 +641,7 @@ class RankAdaptation:
         self._grad_ref = None if ref is None else torch.tensor(ref, dtype=torch.float32, device=device)
         self.history = [dict(h) for h in state["history"]]
         self._limit_base = state.get("limit_base")
-        self._masks, self._masks_read = {}, False  # re-read from the loaded gates at the next step
+        self._masks, self._device_masks, self._masks_read = {}, {}, False  # re-read from the loaded gates next step
         self.objective.size_ref = float(state["size_ref"])  # W_0 of the model as first built, not as loaded
         if self.prune_events and self.prune_mode == "slice":
             self._raise_recompile_limit()
