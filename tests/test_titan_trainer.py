@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torchtitan"
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
 VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([-\d.]+)")
+# std::terminate in a process of the run, outside Python (seen once in 20+ runs of the same config, on a loaded
+# CI machine; not reproduced since): the run is repeated once, and its results are then checked as any run's
+ABORT = "terminate called without an active exception"
 
 
 def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "partial_dtensor",
@@ -46,14 +49,20 @@ def train(config: str, steps: int, dump: Path, *flags: str, backend: str = "part
     path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]  # tests/: titan_deep_configs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)),
            "OMP_NUM_THREADS": "1", "COMERA_LOG": "info"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "launch.py", "--offline-stubs", "--cpu", "--module", module, "--config", config,
-           "--training.steps", str(steps), "--dump_folder", str(dump), "--debug.seed", "0",
-           "--parallelism.spmd_backend", backend, *flags]
-    proc = subprocess.run(cmd, cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
+
+    def run():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "launch.py", "--offline-stubs", "--cpu", "--module", module, "--config", config,
+               "--training.steps", str(steps), "--dump_folder", str(dump), "--debug.seed", "0",
+               "--parallelism.spmd_backend", backend, *flags]
+        proc = subprocess.run(cmd, cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=600)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, out = run()
+    if rc and ABORT in out and not (dump / "checkpoint").exists():  # never resume from the aborted run's steps
+        rc, out = run()
     steps_seen = {int(s): (float(loss), float(norm)) for s, loss, norm in STEP.findall(out)}
-    return proc.returncode, out, steps_seen
+    return rc, out, steps_seen
 
 
 @pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12),
