@@ -98,6 +98,27 @@ def test_masked_pruning_computes_what_sliced_pruning_computes():
     torch.testing.assert_close(masked(x), sliced(x), rtol=1e-9, atol=1e-12)
 
 
+def test_shrink_slices_the_optimizer_state_with_the_cores():
+    """``shrink_(model, optimizer)``: Adam's moments follow the cores and gates, so training goes on as the
+    sliced run's (the same next step)."""
+    sliced, masked = make_net(), make_net()
+    a, _ = train(sliced, "slice", steps=6)
+    opt_a = a.optimizer
+    b, _ = train(masked, "mask", steps=6)
+    opt_b = b.optimizer
+    a.remove()
+    b.remove()
+    shrink_(masked, opt_b)
+    for net, opt in ((sliced, opt_a), (masked, opt_b)):
+        for p in net.parameters():
+            assert all(v.shape == p.shape for v in opt.state[p].values() if torch.is_tensor(v) and v.dim())
+        x, y = batch(5, 99)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+    for got, want in zip(masked.parameters(), sliced.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_a_resumed_masked_run_reads_its_masks_from_the_zero_gates():
     """The masks are not in the ranker's state: a run resumed from a checkpoint holds the gates that
     were exactly zero at zero, as the uninterrupted run does."""
@@ -147,6 +168,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         except NotImplementedError as exc:
             errors.append(str(exc))
         ranker, losses = train(net, "auto", ranks=(rank,))
+        try:
+            shrink_(net)
+        except NotImplementedError as exc:
+            errors.append(str(exc))
         gates = [layer.param.gate_flat.detach().full_tensor() for layer in cc.iter_tt_layers(net)]
         cores = [layer.param.core_flat.detach().full_tensor() for layer in cc.iter_tt_layers(net)]
         torch.save({"mode": ranker.prune_mode, "errors": errors, "ranks": [h["ranks"] for h in ranker.history],
@@ -172,7 +197,8 @@ def test_fsdp2_prunes_by_masking_and_matches_one_process(fsdp_results):
     ranker, _ = train(reference, "slice", ranks=tuple(range(WORLD)))
     for res in fsdp_results:
         assert res["mode"] == "mask"
-        assert res["errors"] and "prune_mode='mask'" in res["errors"][0] and "fc1" in res["errors"][0]
+        assert len(res["errors"]) == 2 and "prune_mode='mask'" in res["errors"][0] and "fc1" in res["errors"][0]
+        assert "shrink_" in res["errors"][1] and "FSDP2" in res["errors"][1]  # shrink_ needs the unsharded model
         assert res["events"] == ranker.prune_events >= 2
         assert res["ranks"] == [h["ranks"] for h in ranker.history]
         assert res["params"] == [h["params"] for h in ranker.history]
