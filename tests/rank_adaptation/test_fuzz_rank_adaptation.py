@@ -94,6 +94,14 @@ def build(case: Case) -> MLP:
     return model
 
 
+def make_optimizer(case: Case, model: nn.Module) -> torch.optim.Optimizer:
+    lr = BASE_LR[case.optimizer] * case.lr_mult
+    params = cc.param_groups(model, lr=lr) if case.param_groups else model.parameters()
+    extra = {"momentum": 0.9} if case.optimizer == "sgd" else {}
+    return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[case.optimizer](
+        params, lr=lr, **extra)
+
+
 def check_case(case: Case) -> bool:
     """Train one case and check the properties; returns whether it pruned."""
     model = build(case)
@@ -108,11 +116,7 @@ def check_case(case: Case) -> bool:
         return F.gelu(x @ w1.T) @ w2.T
 
     y_std = teacher(torch.randn(256, d_in, generator=g)).std()
-    lr = BASE_LR[case.optimizer] * case.lr_mult
-    params = cc.param_groups(model, lr=lr) if case.param_groups else model.parameters()
-    extra = {"momentum": 0.9} if case.optimizer == "sgd" else {}
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[case.optimizer](
-        params, lr=lr, **extra)
+    opt = make_optimizer(case, model)
     report = cc.compression_report(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. a bond kept only by min_rank says so
@@ -181,11 +185,7 @@ def train_mode(case: Case, mode: str):
     g = torch.Generator().manual_seed(case.seed)
     d_in, _, d_out = case.sizes
     teacher = torch.randn(d_out, d_in, generator=g, dtype=torch.float64) / math.sqrt(d_in)
-    lr = BASE_LR[case.optimizer] * case.lr_mult
-    params = cc.param_groups(model, lr=lr) if case.param_groups else model.parameters()
-    extra = {"momentum": 0.9} if case.optimizer == "sgd" else {}
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[case.optimizer](
-        params, lr=lr, **extra)
+    opt = make_optimizer(case, model)
     report = cc.compression_report(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
