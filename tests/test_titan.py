@@ -320,6 +320,8 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
     assert converter.tt_config().resolve("Linear", 2048, 8192)[:2] == ("btt", 1)
     assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [4.8e-3] * 4
     assert type(config.activation_checkpoint) is SelectiveAC.Config  # wrap_parallelize hands on titan.SelectiveAC
+    chunked = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_fused_chunked"])
+    assert chunked.loss.strategy == "chunked"
     recompute = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_recompute"])
     assert type(recompute.activation_checkpoint) is comera_configs.RecomputingSAC.Config
     dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])

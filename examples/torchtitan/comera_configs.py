@@ -15,6 +15,7 @@ Four variants of each model, the same data, schedule and batch:
 * ``*_fused``: the fused LM-head loss (``comera_compile.titan.FusedCrossEntropyLoss``);
 * ``*_comera``: the fused loss and the blocks' Linears as tensor trains (``TTConverter``), with
   ``cc.param_groups``' learning-rate groups;
+* ``llama3_2048_fused_chunked``: ``*_fused`` on the fused loss's chunked path only (no host syncs);
 * ``llama3_2048_comera_recompute``: ``*_comera`` under torchtitan's own selective checkpointing, which
   recomputes the comera ops in the backward (``titan.SelectiveAC``, the default, saves them).
 
@@ -195,6 +196,13 @@ def llama3_2048_dense_ce() -> Trainer.Config:
 
 def llama3_2048_fused() -> Trainer.Config:
     return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), fused_loss=True)
+
+
+def llama3_2048_fused_chunked() -> Trainer.Config:
+    # the fused loss pinned to its chunked path: no sparse rounds, so no host synchronization inside the step
+    # ("auto" may pick sparse rounds once it has seen the kept fraction of peaked logits)
+    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048),
+                           fused_loss=titan.FusedCrossEntropyLoss.Config(strategy="chunked"))
 
 
 def llama3_2048_comera() -> Trainer.Config:
