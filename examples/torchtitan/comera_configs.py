@@ -253,6 +253,12 @@ def llama3_tiny_comera() -> Trainer.Config:
     return titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3)
 
 
+def llama3_tiny_comera_sac() -> Trainer.Config:
+    # torchtitan's selective activation checkpointing on the TT model (titan.SelectiveAC saves the comera ops)
+    return titan.configure(_trainer(_model(**TINY), lr=1e-3, **{**TRAIN_TINY, "ac": True}), tt=TT_TINY,
+                           fused_loss=True, lr=4e-3)
+
+
 def llama3_tiny_comera_ranks() -> Trainer.Config:
     # rank adaptation under torchtitan's FSDP2: pruning masks the gates (the shapes stay); a threshold above
     # every gate, so that the first event (step 2) takes each bond to rank 1
