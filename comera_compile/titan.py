@@ -438,7 +438,7 @@ def saved_ops() -> set:
     import comera_compile.kernels.linear_cross_entropy  # noqa: F401
     import comera_compile.kernels.tt_linear  # noqa: F401
 
-    return {getattr(getattr(torch.ops.comera, name.split("::")[1]), "default") for name in SAVED_OPS}
+    return {getattr(torch.ops.comera, name.split("::")[1]).default for name in SAVED_OPS}
 
 
 class SelectiveAC(_TitanSelectiveAC):

@@ -1,9 +1,12 @@
-"""Helpers of the distributed tests: a free local TCP port for a process group's rendezvous, and
-``mp.spawn`` that runs its workers again once when one of them died of SIGABRT."""
+"""Helpers of the distributed tests: a free local TCP port for a process group's rendezvous,
+``mp.spawn`` that runs its workers again once when one of them died of SIGABRT, and the results its
+workers saved."""
 
 import socket
 import warnings
+from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -26,3 +29,9 @@ def spawn(worker, args_after_port: tuple, nprocs: int) -> None:
             raise
         warnings.warn(f"a worker died of SIGABRT ({exc}); running the workers once more", RuntimeWarning)
         mp.spawn(worker, args=(free_port(), *args_after_port), nprocs=nprocs, join=True)
+
+
+def spawn_results(worker, out: Path, nprocs: int) -> list:
+    """:func:`spawn` of ``worker(rank, port, str(out))``, then what each rank saved as ``out/rank<r>.pt``."""
+    spawn(worker, (str(out),), nprocs)
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

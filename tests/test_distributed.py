@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ports import free_port  # noqa: E402
+from ports import spawn_results  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -182,9 +181,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_results(_worker, tmp_path_factory.mktemp("distributed"), WORLD)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

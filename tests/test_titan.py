@@ -19,7 +19,6 @@ pytest.importorskip("torchtitan.trainer")  # a submodule: examples/torchtitan/ i
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "torchtitan"))
@@ -32,7 +31,7 @@ from torchtitan.config import CompileConfig  # noqa: E402
 import comera_compile as cc  # noqa: E402
 from comera_compile import titan  # noqa: E402
 from comera_compile.losses import IGNORE_INDEX  # noqa: E402
-from ports import free_port  # noqa: E402
+from ports import free_port, spawn_results  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -415,9 +414,7 @@ def _fsdp_scenario(rank: int) -> dict:
 def fsdp_results(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("titan_fsdp2")
-    mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_results(_fsdp_worker, tmp_path_factory.mktemp("titan_fsdp2"), WORLD)
 
 
 def test_fsdp2_replicates_the_tt_cores_and_shards_the_rest(fsdp_results):

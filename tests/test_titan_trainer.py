@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "torchtitan"
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
 VALIDATE = re.compile(r"validate step:\s+(\d+)\s+loss:\s+([-\d.]+)")
-# std::terminate in a process of the run, outside Python (seen once in 20+ runs of the same config, on a loaded
-# CI machine; not reproduced since): the run is repeated once, and its results are then checked as any run's
+# std::terminate in a gloo process of the run, outside Python (the abort ports.spawn repeats for mp.spawn; seen
+# once here, on a loaded CI machine): the run is repeated once, and its results are then checked as any run's
 ABORT = "terminate called without an active exception"
 
 

@@ -66,9 +66,10 @@ def _keep_bond(positions: tuple[list[torch.Tensor], list[torch.Tensor]], k: int,
     cores[k + 1] = cores[k + 1].index_select(0, keep)
 
 
-def slice_bonds(param: TTParametrization, keeps: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> bool:
-    """Keep the gates ``keeps[k]`` of every bond (and the cores' ranks with them) in one re-layout;
-    returns whether any bond lost a gate."""
+def slice_bonds(param: TTParametrization, keeps: list[torch.Tensor],
+                optimizer: torch.optim.Optimizer | None) -> bool:
+    """Keep the gates ``keeps[k]`` of every bond (and the cores' ranks with them) in one re-layout, with
+    ``optimizer``'s state; returns whether any bond lost a gate."""
     positions = param.positions()
     cut = False
     for k, keep in enumerate(keeps):
@@ -76,7 +77,7 @@ def slice_bonds(param: TTParametrization, keeps: list[torch.Tensor], optimizer: 
             _keep_bond(positions, k, keep)
             cut = True
     if cut:
-        param.relayout_(*positions, optimizers=[optimizer])
+        param.relayout_(*positions, optimizers=[] if optimizer is None else [optimizer])
     return cut
 
 
@@ -100,7 +101,6 @@ def shrink_(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     from comera_compile.tensorize import iter_tt_layers, require_unsharded
 
     require_unsharded(model, "shrink_")
-    optimizers = [] if optimizer is None else [optimizer]
     ranks = {}
     for layer in iter_tt_layers(model):
         param = layer.param
@@ -108,15 +108,9 @@ def shrink_(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         if any(k.numel() == 0 for k in keeps):
             zero_layer(param, optimizer)
             ranks[layer.fqn] = [0] * len(param.gate_sizes)
-            continue
-        positions, cut = param.positions(), False
-        for k, keep in enumerate(keeps):
-            if keep.numel() < param.gate_sizes[k]:
-                _keep_bond(positions, k, keep)
-                cut = True
-        if cut:
-            param.relayout_(*positions, optimizers=optimizers)
-        ranks[layer.fqn] = list(param.gate_sizes)
+        else:
+            slice_bonds(param, keeps, optimizer)
+            ranks[layer.fqn] = list(param.gate_sizes)
     return ranks
 
 

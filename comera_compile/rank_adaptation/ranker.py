@@ -551,8 +551,9 @@ class RankAdaptation:
     def prune(self) -> bool:
         """Remove the gates below the threshold now (``prune_mode="mask"``: set them to zero and hold them
         there); returns whether any shape changed (masked: whether any gate was newly masked)."""
-        if self.prune_mode == "mask":
-            return self._prune_masked()
+        masking = self.prune_mode == "mask"
+        if masking and not self._masks_read:
+            self._read_masks()
         changed = False
         mags = pruning.decision_magnitudes([lay.param for lay in self.layers])
         for layer, layer_mags in zip(self.layers, mags):
@@ -563,46 +564,35 @@ class RankAdaptation:
             if any(k.numel() == 0 for k in keeps):
                 before = list(param.core_shapes)
                 self._kill(layer)
-                changed |= before != param.core_shapes
+                changed |= masking or before != param.core_shapes
                 continue
             self._warn_if_floored(layer, layer_mags)
-            changed |= pruning.slice_bonds(param, keeps, self.optimizer)
+            changed |= self._mask_bonds(layer, keeps) if masking else pruning.slice_bonds(param, keeps, self.optimizer)
         if changed:
             self.prune_events += 1
-            self._raise_recompile_limit()
-            log.info("RankAdaptation: step %d pruned to %s (%d parameters, %.1fx)", self.step, self.ranks(),
-                     self.num_params(), self.dense_params / max(self.num_params(), 1))
-            for callback in self._callbacks:
-                callback(self)
+            if masking:
+                self._apply_masks()
+            else:
+                self._raise_recompile_limit()
+            log.info("RankAdaptation: step %d %s to %s (%d parameters, %.1fx)", self.step,
+                     "masked" if masking else "pruned", self.ranks(), self.num_params(),
+                     self.dense_params / max(self.num_params(), 1))
+            if not masking:  # the shapes changed
+                for callback in self._callbacks:
+                    callback(self)
         return changed
 
-    def _prune_masked(self) -> bool:
-        if not self._masks_read:
-            self._read_masks()
-        masked = False
-        mags = pruning.decision_magnitudes([lay.param for lay in self.layers])
-        for layer, layer_mags in zip(self.layers, mags):
-            if layer.fqn in self.dead:
-                continue
-            keeps = [pruning.surviving(m, self.threshold, self.min_rank, self.rank_multiple) for m in layer_mags]
-            if any(k.numel() == 0 for k in keeps):
-                self._kill(layer)
-                masked = True
-                continue
-            self._warn_if_floored(layer, layer_mags)
-            mask = pruning.keep_mask(layer.param, keeps)
-            previous = self._masks.get(layer.fqn)
-            if previous is not None:
-                mask = mask * previous
-            if bool((mask < (1.0 if previous is None else previous)).any()):
-                self._set_mask(layer, mask)
-                masked = True
-        if masked:
-            self._apply_masks()
-            self.prune_events += 1
-            log.info("RankAdaptation: step %d masked to %s (%d parameters, %.1fx)", self.step, self.ranks(),
-                     self.num_params(), self.dense_params / max(self.num_params(), 1))
-        return masked
+    def _mask_bonds(self, layer: _RankedLayer, keeps: list[torch.Tensor]) -> bool:
+        """Mask every gate of ``layer`` outside ``keeps`` (and keep those masked before masked); returns
+        whether any gate was newly masked."""
+        mask = pruning.keep_mask(layer.param, keeps)
+        previous = self._masks.get(layer.fqn)
+        if previous is not None:
+            mask = mask * previous
+        if not bool((mask < (1.0 if previous is None else previous)).any()):
+            return False
+        self._set_mask(layer, mask)
+        return True
 
     def _raise_recompile_limit(self) -> None:
         self._limit_base = pruning.raise_recompile_limit(self._limit_base,

@@ -600,14 +600,13 @@ def _looks_trained(weight: object) -> float | None:
         if not std > 0 or not math.isfinite(std):
             return None
         v = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device)
-        top = 0.0
-        for _ in range(12):
+        for _ in range(12):  # no host sync inside: the norm is read once, after
             u = w @ v
             u = u / u.norm().clamp_min(1e-30)
             v = w.T @ u
-            top = float(v.norm())
-            v = v / max(top, 1e-30)
-        ratio = top / (std * (math.sqrt(w.shape[0]) + math.sqrt(w.shape[1])))
+            top = v.norm()
+            v = v / top.clamp_min(1e-30)
+        ratio = float(top) / (std * (math.sqrt(w.shape[0]) + math.sqrt(w.shape[1])))
     return ratio if ratio >= _TRAINED_RATIO else None
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,7 +20,7 @@ import comera_compile as cc
 from comera_compile.rank_adaptation import RankAdaptation, RankConfig, shrink_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ports import free_port  # noqa: E402
+from ports import spawn_results  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,9 +184,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def fsdp_results(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("fsdp_mask")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_results(_worker, tmp_path_factory.mktemp("fsdp_mask"), WORLD)
 
 
 def test_fsdp2_prunes_by_masking_and_matches_one_process(fsdp_results):
