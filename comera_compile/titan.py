@@ -34,10 +34,11 @@ F``, each returning a ``Trainer.Config``) rather than TOML files, and its model 
   mesh, which the TT ops do not take; :func:`wrap_parallelize` refuses them, naming the option.
 * **selective activation checkpointing**: torchtitan's ``SelectiveAC`` saves the outputs of the ops it
   knows as compute-intensive (matmuls, attention) and recomputes every other op in the backward, the
-  comera ops among them: a btt layer's block GEMMs would run twice. :class:`SelectiveAC` also saves
-  :data:`SAVED_OPS`; :func:`wrap_parallelize` puts it in place of torchtitan's ``SelectiveAC.Config``
-  for a tensorized model (same fields), and warns when a ``SelectiveAC`` subclass of the user's own
-  would recompute them.
+  comera ops among them (a btt layer's block GEMMs run again). That is the default here: the recomputed
+  GEMMs are a small part of a step, and saving them costs their outputs' memory (at d 2048 x 16 layers,
+  4 x 2048 tokens: 14.9 GiB peak against 5.6 GiB). :class:`SelectiveAC` saves :data:`SAVED_OPS` as
+  well; set ``activation_checkpoint = titan.SelectiveAC.Config(...)`` (the same fields) to trade that
+  memory for the recompute.
 * **learning rates**: :func:`param_group_configs` gives torchtitan's optimizer
   (``OptimizersContainer.Config.param_groups``, regexes over parameter names) the groups of
   :func:`comera_compile.param_groups`: TT cores, TT gates, decay, no decay.
@@ -387,8 +388,8 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
     """``parallelize_fn`` (a ``ModelSpec``'s) that, for a model built by :class:`TTConverter` (nothing
     for other models), first checks the parallelism it supports, replicates the TT parameters
     (``tt_params``), installs the comera passes in torchtitan's Inductor compile of the blocks
-    (``inductor_passes``), and hands on torchtitan's ``SelectiveAC`` as :class:`SelectiveAC`. torchtitan
-    applies FSDP2 whatever the number of GPUs, so this always runs for such a model."""
+    (``inductor_passes``). The activation-checkpointing config is handed on as given. torchtitan applies
+    FSDP2 whatever the number of GPUs, so this always runs for such a model."""
     if getattr(parallelize_fn, "_comera_wrapped", False):
         return parallelize_fn
 
@@ -413,8 +414,6 @@ def wrap_parallelize(parallelize_fn: Callable) -> Callable:
                 replicate_tt_params(model, _replicate_mesh(parallel_dims))
             if getattr(model, "_comera_inductor_passes", False):
                 _inductor_passes(model, compile_config)
-            if "ac_config" in kwargs:
-                kwargs["ac_config"] = _selective_ac(kwargs["ac_config"])
         return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
 
     parallelize._comera_wrapped = True
@@ -443,9 +442,10 @@ def saved_ops() -> set:
 
 class SelectiveAC(_TitanSelectiveAC):
     """torchtitan's per-op selective activation checkpointing, saving :data:`SAVED_OPS` too, as it saves
-    its batched matmuls: without them, its policy recomputes every comera op in the backward (for a btt
-    layer, both block GEMMs of its forward). The cost is their outputs' memory: per btt FFN layer at rank
-    1, its outputs and an intermediate no larger than its input."""
+    its batched matmuls (torchtitan's own policy recomputes every comera op in the backward: for a btt
+    layer, both block GEMMs of its forward). Opt in with ``activation_checkpoint =
+    SelectiveAC.Config(...)``; the cost is the comera ops' outputs' memory (per btt FFN layer at rank 1,
+    its outputs and an intermediate no larger than its input)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TitanSelectiveAC.Config):
@@ -453,25 +453,6 @@ class SelectiveAC(_TitanSelectiveAC):
 
     def get_save_ops(self) -> set:
         return set(super().get_save_ops()) | saved_ops()
-
-
-def _selective_ac(ac_config: Any) -> Any:
-    """``ac_config`` for a tensorized model: torchtitan's own ``SelectiveAC.Config`` becomes
-    :class:`SelectiveAC`'s (the same fields); a subclass of the user's is kept, with a warning when its
-    save set lacks :data:`SAVED_OPS`."""
-    if not isinstance(ac_config, _TitanSelectiveAC.Config) or isinstance(ac_config, SelectiveAC.Config):
-        return ac_config
-    if type(ac_config) is _TitanSelectiveAC.Config:
-        logger.info("TTConverter: selective activation checkpointing saves the comera ops' outputs too "
-                    "(comera_compile.titan.SelectiveAC): %s", ", ".join(SAVED_OPS))
-        return SelectiveAC.Config(**{f.name: getattr(ac_config, f.name)
-                                     for f in dataclasses.fields(ac_config) if f.init})
-    missing = saved_ops() - set(ac_config.build().get_save_ops())
-    if missing:
-        logger.warning("TTConverter: activation_checkpoint %s does not save %s, so the backward recomputes "
-                       "them (a btt layer's block GEMMs run twice); add comera_compile.titan.saved_ops() to its "
-                       "get_save_ops()", type(ac_config).__qualname__, sorted(str(op) for op in missing))
-    return ac_config
 
 
 # ------------------------------------------------------------------------------------------------

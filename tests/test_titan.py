@@ -221,10 +221,10 @@ def test_comera_selective_ac_saves_torchtitans_ops_and_the_comera_ops():
     assert isinstance(titan.SelectiveAC.Config(), TitanSAC.Config)  # torchtitan's checks of SAC apply to it
 
 
-def test_wrap_parallelize_hands_on_comeras_selective_ac_for_a_tensorized_model(caplog):
-    """torchtitan's own SelectiveAC.Config becomes comera's (same fields) for a TT model; other policies,
-    and dense models, are handed on as they are; a SelectiveAC subclass that would recompute the comera
-    ops is kept, with a warning."""
+def test_wrap_parallelize_hands_the_checkpointing_config_on_as_given(caplog):
+    """The activation-checkpointing config reaches torchtitan's parallelize as the user set it, for a
+    tensorized model and a dense one alike: torchtitan's own SelectiveAC (which recomputes the comera ops),
+    comera's, a subclass of the user's, FullAC or none; nothing is logged about it."""
     import logging
 
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC as TitanSAC
@@ -242,16 +242,11 @@ def test_wrap_parallelize_hands_on_comeras_selective_ac_for_a_tensorized_model(c
 
     tt = titan.TTConverter.Config(rank=4, min_size=0, inductor_passes=False, tt_params="shard")
     given = TitanSAC.Config(preserve_rng_state=False, force_recompute_mm_shapes_by_fqns=["w2"])
-    got = handed(build(tt), given)
-    assert type(got) is titan.SelectiveAC.Config
-    assert not got.preserve_rng_state and got.force_recompute_mm_shapes_by_fqns == ["w2"]
-    assert handed(build(), given) is given  # a dense model: nothing changes
-    for other in (FullAC.Config(), None, titan.SelectiveAC.Config()):
-        assert handed(build(tt), other) is other
-    mine = Mine.Config()
-    with caplog.at_level(logging.WARNING, logger="comera_compile"):
-        assert handed(build(tt), mine) is mine
-    assert "does not save" in caplog.text and "comera.btt_blocks" in caplog.text
+    with caplog.at_level(logging.DEBUG, logger="comera_compile"):
+        for config in (given, titan.SelectiveAC.Config(), Mine.Config(), FullAC.Config(), None):
+            assert handed(build(tt), config) is config
+            assert handed(build(), config) is config
+    assert "SelectiveAC" not in caplog.text and "save" not in caplog.text
 
 
 def test_converter_config_refuses_an_unknown_tt_params():
@@ -318,11 +313,11 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
     assert (converter.fmt, converter.rank, config.model_spec.model.dim) == ("btt", None, 2048)
     assert converter.tt_config().resolve("Linear", 2048, 8192)[:2] == ("btt", 1)
     assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [4.8e-3] * 4
-    assert type(config.activation_checkpoint) is SelectiveAC.Config  # wrap_parallelize hands on titan.SelectiveAC
+    assert type(config.activation_checkpoint) is SelectiveAC.Config  # torchtitan's own: the comera ops recomputed
     chunked = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_fused_chunked"])
     assert chunked.loss.strategy == "chunked"
-    recompute = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_recompute"])
-    assert type(recompute.activation_checkpoint) is comera_configs.RecomputingSAC.Config
+    save = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_save"])
+    assert type(save.activation_checkpoint) is titan.SelectiveAC.Config
     dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])
     assert isinstance(dense.loss, ChunkedLossWrapper.Config) and not hasattr(dense.model_spec.model,
                                                                               "_comera_tt_converter")

@@ -16,8 +16,8 @@ Four variants of each model, the same data, schedule and batch:
 * ``*_comera``: the fused loss and the blocks' Linears as tensor trains (``TTConverter``), with
   ``cc.param_groups``' learning-rate groups;
 * ``llama3_2048_fused_chunked``: ``*_fused`` on the fused loss's chunked path only (no host syncs);
-* ``llama3_2048_comera_recompute``: ``*_comera`` under torchtitan's own selective checkpointing, which
-  recomputes the comera ops in the backward (``titan.SelectiveAC``, the default, saves them).
+* ``llama3_2048_comera_save``: ``*_comera`` with ``titan.SelectiveAC``, which saves the comera ops'
+  outputs instead of recomputing them in the backward as torchtitan's own selective checkpointing does.
 
 Models: ``llama3_2048_*`` (Llama-3 style, d 2048, 16 layers, 32 heads, 8 KV heads, vocab 32768, seq
 2048; for one GPU) and ``llama3_tiny_*`` (d 64, 2 layers, vocab 256, seq 32; the CPU smoke run, with
@@ -210,19 +210,10 @@ def llama3_2048_comera() -> Trainer.Config:
     return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=4.8e-3)
 
 
-class RecomputingSAC(SelectiveAC):
-    """torchtitan's selective checkpointing as it is, the comera ops recomputed in the backward (a subclass,
-    so that ``titan.wrap_parallelize`` keeps it, with a warning, instead of saving them)."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(SelectiveAC.Config):
-        pass
-
-
-def llama3_2048_comera_recompute() -> Trainer.Config:
-    # the comera variant under torchtitan's own SelectiveAC: what titan.SelectiveAC's saving is worth
+def llama3_2048_comera_save() -> Trainer.Config:
+    # the comera variant with the comera ops' outputs saved, not recomputed: what the recompute costs
     config = llama3_2048_comera()
-    config.activation_checkpoint = RecomputingSAC.Config()
+    config.activation_checkpoint = titan.SelectiveAC.Config()
     return config
 
 
@@ -254,9 +245,10 @@ def llama3_tiny_comera() -> Trainer.Config:
 
 
 def llama3_tiny_comera_sac() -> Trainer.Config:
-    # torchtitan's selective activation checkpointing on the TT model (titan.SelectiveAC saves the comera ops)
-    return titan.configure(_trainer(_model(**TINY), lr=1e-3, **{**TRAIN_TINY, "ac": True}), tt=TT_TINY,
-                           fused_loss=True, lr=4e-3)
+    # selective activation checkpointing on the TT model, the comera ops' outputs saved (titan.SelectiveAC)
+    config = titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3)
+    config.activation_checkpoint = titan.SelectiveAC.Config()
+    return config
 
 
 def llama3_tiny_comera_ranks() -> Trainer.Config:
