@@ -497,3 +497,18 @@ def test_the_synthetic_stream_follows_its_rule_token_by_token_and_resumes():
     resumed.load_state_dict({"step": 2})
     inputs, labels = next(iter(resumed))
     assert torch.equal(inputs["input"], got[2][0]["input"]) and torch.equal(labels, got[2][1])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-python"], "--profile-python needs --profile-steps A:B"),
+    (["--profile-steps", "5"], "--profile-steps takes A:B"),
+    (["--profile-steps", "x:y"], "--profile-steps takes A:B"),
+])
+def test_the_launchers_profiling_flags_refuse_what_they_cannot_do(argv, message, monkeypatch):
+    """examples/torchtitan/launch.py: a profiling flag it cannot honour stops the launch with a message
+    naming the flag, before torchtitan starts."""
+    import launch
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # launch.main rewrites sys.argv
+    with pytest.raises(SystemExit, match=message):
+        launch.main(argv)

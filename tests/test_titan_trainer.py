@@ -106,7 +106,8 @@ def test_tt_converter_checkpoints_and_resumes_at_world_size_2(tmp_path):
 
 
 def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
-    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager", "--timing-lines", "--profile-steps", "2:4")
+    rc, out, eager = train("llama3_tiny_comera", 3, tmp_path / "eager", "--timing-lines", "--profile-steps", "2:4",
+                           "--profile-python")
     assert rc == 0, out[-3000:]
     assert "TT layer forms its dense weight each forward" in out and "rewrite(s)" not in out
     # launch.py --timing-lines: torchtitan's step and data-loading times, one line per log (log_freq 1)
@@ -118,6 +119,8 @@ def test_tt_layers_are_lowered_inside_torchtitans_block_compile(tmp_path):
     assert len(summary) == 2 and all(float(ms) > 0 for ms in summary), out[-3000:]
     # the op table's rows (the two ranks' lines may interleave)
     assert re.search(r"^launch\.py profile: +aten::\w+", out, flags=re.M), out[-3000:]
+    # --profile-python: the host table names Python functions (file(line): name) beside the ops
+    assert re.search(r"^launch\.py host: +\S+\.py\(\d+\): \w+ ", out, flags=re.M), out[-3000:]
     rc, out, compiled = train("llama3_tiny_comera", 3, tmp_path / "compiled", "--compile.enable")
     assert rc == 0, out[-3000:]
     # each of the 2 blocks: its 5 Linears lowered by the comera passes inside Inductor (both ranks log it)

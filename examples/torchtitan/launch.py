@@ -22,7 +22,9 @@ or wandb); ``summarize.py`` reads them.
 
 ``--profile-steps A:B``: torch's profiler around training steps A to B-1 (counted from 1), then a table of
 the ops by their own device time (CPU time on the CPU), the kernels launched per step, and the step's
-host and device seconds, printed after ``launch.py profile:``.
+host and device seconds, printed after ``launch.py profile:``. With ``--profile-python`` as well, the
+profiler also records Python functions, and a second table, printed after ``launch.py host:``, lists the
+ops and Python functions by their own host time: where a host-bound step spends it.
 
 Always: torchtitan 0.3.0 calls ``torch.distributed.set_timeout``, which torch 2.13.0 lacks; where it is
 missing it is defined from torch's ``_set_pg_timeout`` (:func:`_set_timeout_shim`).
@@ -169,7 +171,7 @@ def _timing_lines() -> None:
     MetricsProcessor._build_metric_logger = _build_metric_logger
 
 
-def _profile_steps(first: int, end: int) -> None:
+def _profile_steps(first: int, end: int, python: bool = False) -> None:
     """Profile training steps ``first`` .. ``end - 1`` (see the module's docstring)."""
     import time
 
@@ -188,7 +190,10 @@ def _profile_steps(first: int, end: int) -> None:
             activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
             if cuda:
                 torch.cuda.synchronize()
-            state["prof"] = torch.profiler.profile(activities=activities)
+            extra = {}
+            if python:  # Python functions as events of their own (their self time is the host's work in them)
+                extra = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+            state["prof"] = torch.profiler.profile(activities=activities, **extra)
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         out = step_fn(self, *args, **kwargs)
@@ -209,6 +214,10 @@ def _profile_steps(first: int, end: int) -> None:
                   f"{kernels / (end - first):.0f} kernels per step", flush=True)
             for line in events.table(sort_by=sort, row_limit=30).splitlines():
                 print(f"launch.py profile: {line}", flush=True)
+            if python:
+                for line in events.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90
+                                         ).splitlines():
+                    print(f"launch.py host: {line}", flush=True)
         return out
 
     Trainer.train_step = train_step
@@ -239,6 +248,11 @@ def main(argv: list[str]) -> None:
         except (IndexError, ValueError, AssertionError):
             raise SystemExit("launch.py --profile-steps takes A:B (profile steps A to B-1), e.g. 20:25") from None
         del argv[i:i + 2]
+    python = "--profile-python" in argv
+    if python:
+        if not profile:
+            raise SystemExit("launch.py --profile-python needs --profile-steps A:B")
+        argv.remove("--profile-python")
     sys.path.insert(0, HERE)
     sys.argv = [sys.argv[0], *argv]
     if cpu:
@@ -246,7 +260,7 @@ def main(argv: list[str]) -> None:
     if timing:
         _timing_lines()
     if profile:
-        _profile_steps(*profile)
+        _profile_steps(*profile, python=python)
     from torchtitan.train import main as titan_main
 
     titan_main()

@@ -2,7 +2,8 @@
 # One GPU, torchtitan's trainer (FSDP2 at world size 1), the d 2048 Llama-3-style model of comera_configs.py,
 # the variants of comera_configs.py (dense_ce / dense / fused loss / TT converter + fused loss), STEPS steps each,
 # synthetic data, offline.
-# PROFILE=A:B profiles steps A..B-1 of each variant (launch.py --profile-steps: an op table in the log).
+# PROFILE=A:B profiles steps A..B-1 of each variant (launch.py --profile-steps: an op table in the log);
+# PROFILE_PYTHON=1 adds the Python functions and a table by host time (launch.py --profile-python).
 # Writes $OUT/<variant>.log and $OUT/summary.json (tokens/s, peak memory, loss curve) and $OUT/loss.png.
 # Needs torchtitan 0.3.0 and comera-compile in the same environment. Without a registry: the pure-Python wheels
 # torchtitan==0.3.0 torchdata tyro docstring_parser typeguard spmd_types==0.2.3 torch_checkpointing einops in a
@@ -24,7 +25,7 @@ else
 fi
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
-  "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs --timing-lines ${PROFILE:+--profile-steps $PROFILE} \
+  "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port $((29600 + RANDOM % 100)) launch.py --offline-stubs --timing-lines ${PROFILE:+--profile-steps $PROFILE} ${PROFILE_PYTHON:+--profile-python} \
     ${LAUNCH_FLAGS:-} --module comera_configs --config "${PREFIX}_${variant}" \
     --training.steps "$STEPS" --dump_folder "$DUMP/dump_${variant}" 2>&1 | tee "$OUT/${variant}.log" || true
 done
