@@ -356,7 +356,8 @@ def _replicate_mesh(parallel_dims) -> Any:
 
 INDUCTOR_OPTIONS = {"cudagraphs": False, "inductor_config": {"triton.autotune_pointwise": False}}
 """The options :class:`TTConverter` runs the comera passes with inside torchtitan's Inductor compile
-(``cc.use_with_inductor``): no CUDA graphs (FSDP2 swaps the parameters' storage every step), and the
+(``cc.use_with_inductor``): no CUDA graphs of Inductor's own per block (FSDP2 swaps the parameters' storage
+every step; torchtitan captures the whole forward and backward itself unless ``training.disable_cuda_graphs``), and the
 Inductor setting the TT pass asks of ``backend="comera"`` for a graph with TT layers (one configuration
 per pointwise kernel), which a pre-grad pass cannot set for the compile under way. Another
 ``use_with_inductor`` in the same process must use the same options."""
@@ -610,7 +611,13 @@ def configure(config, *, tt: TTConverter.Config | None = None,
       sets :class:`CheckpointManager` (same settings) and, when ``lr`` is given, the optimizer's param
       groups (:func:`param_group_configs`, AdamW with torchtitan's default betas/eps, ``weight_decay`` 0.1).
     * ``fused_loss``: True or a :class:`FusedCrossEntropyLoss.Config`: the loss slot (torchtitan then
-      skips the model's head and hands it to the loss).
+      skips the model's head and hands it to the loss). Where ``config.training.disable_cuda_graphs`` is
+      False (torchtitan's default: it captures the forward and backward in a CUDA graph after one
+      uncaptured step), True means ``backward="exact"``: the sparse rounds read a count on the host, so a
+      captured step cannot run them, and the uncaptured first step must take the captured steps' path for
+      its kernels to be built before the capture. A given config with ``backward="filtered"`` is kept,
+      with a warning. Set ``disable_cuda_graphs`` before calling this; a later command-line change is not
+      seen here.
     * ``rank_adaptation``: a :class:`comera_compile.RankConfig`: :func:`attach_rank_adaptation` as the
       model spec's ``post_optimizer_build_fn`` (masked pruning under FSDP2, see there).
     """
@@ -628,8 +635,17 @@ def configure(config, *, tt: TTConverter.Config | None = None,
         config.optimizer.param_groups = param_group_configs(lr, core_lr=core_lr, gate_lr=gate_lr,
                                                             tensorized=tt is not None, betas=(0.9, 0.95), eps=1e-8)
     if fused_loss:
-        config.loss = fused_loss if isinstance(fused_loss, FusedCrossEntropyLoss.Config) \
-            else FusedCrossEntropyLoss.Config()
+        captured = not getattr(getattr(config, "training", None), "disable_cuda_graphs", True)
+        if isinstance(fused_loss, FusedCrossEntropyLoss.Config):
+            if captured and fused_loss.backward == "filtered" and fused_loss.strategy in ("auto", "sparse"):
+                logger.warning("configure: torchtitan captures the step in a CUDA graph (training.disable_cuda_graphs "
+                               "is False) and the fused loss has backward='filtered', strategy=%r: its first, "
+                               "uncaptured step may take the sparse path, which a captured step cannot run, so the "
+                               "capture builds other kernels; use backward='exact' (or strategy='chunked')",
+                               fused_loss.strategy)
+            config.loss = fused_loss
+        else:
+            config.loss = FusedCrossEntropyLoss.Config(backward="exact" if captured else "filtered")
     if rank_adaptation is not None:
         previous = spec.post_optimizer_build_fn
 

@@ -321,6 +321,44 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
     dense = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_dense"])
     assert isinstance(dense.loss, ChunkedLossWrapper.Config) and not hasattr(dense.model_spec.model,
                                                                               "_comera_tt_converter")
+    assert config.training.disable_cuda_graphs and config.loss.backward == "filtered"
+    for name in ("dense_ce_cg", "fused_cg", "comera_cg"):  # torchtitan's CUDA graph of the step, its default
+        cg = ConfigManager().parse_args(["--module", "comera_configs", "--config", f"llama3_2048_{name}"])
+        assert not cg.training.disable_cuda_graphs, name
+        if name != "dense_ce_cg":
+            assert isinstance(cg.loss, titan.FusedCrossEntropyLoss.Config) and cg.loss.backward == "exact", name
+    assert hasattr(ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_cg"]
+                                              ).model_spec.model, "_comera_tt_converter")
+
+
+def test_configure_gives_a_captured_step_the_fused_loss_path_it_can_run(caplog):
+    """torchtitan captures the step in a CUDA graph after one uncaptured step: the default fused loss then
+    has its exact backward (no sparse rounds, which read a count on the host, in either step); without
+    the graph, the filtered one. A given config is kept; a filtered one that may take the sparse path
+    warns, naming the option."""
+    import logging
+
+    def trainer(cuda_graphs):
+        config = comera_configs._trainer(comera_configs._model(**comera_configs.TINY), lr=1e-3,
+                                         **comera_configs.TRAIN_TINY)
+        config.training.disable_cuda_graphs = not cuda_graphs
+        return config
+
+    assert titan.configure(trainer(True)).loss.backward == "exact"
+    assert titan.configure(trainer(False)).loss.backward == "filtered"
+    exact = titan.FusedCrossEntropyLoss.Config(backward="exact")
+    chunked = titan.FusedCrossEntropyLoss.Config(strategy="chunked")
+    with caplog.at_level(logging.WARNING, logger="comera_compile"):
+        assert titan.configure(trainer(True), fused_loss=exact).loss is exact
+        assert titan.configure(trainer(True), fused_loss=chunked).loss is chunked
+        assert titan.configure(trainer(False), fused_loss=titan.FusedCrossEntropyLoss.Config()).loss.backward == "filtered"
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("comera_compile")]
+    assert ours == []
+    filtered = titan.FusedCrossEntropyLoss.Config()
+    with caplog.at_level(logging.WARNING, logger="comera_compile"):
+        assert titan.configure(trainer(True), fused_loss=filtered).loss is filtered
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("comera_compile")]
+    assert len(ours) == 1 and "CUDA graph" in ours[0] and "backward='exact'" in ours[0], ours
 
 
 # ------------------------------------------------------------------------------------------------

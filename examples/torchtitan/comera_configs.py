@@ -16,6 +16,8 @@ Four variants of each model, the same data, schedule and batch:
 * ``*_comera``: the fused loss and the blocks' Linears as tensor trains (``TTConverter``), with
   ``cc.param_groups``' learning-rate groups;
 * ``llama3_2048_fused_chunked``: ``*_fused`` on the fused loss's chunked path only (no host syncs);
+* ``llama3_2048_{dense_ce,fused,comera}_cg``: the same with torchtitan's CUDA graph of the forward and
+  backward (its default; off in the variants above);
 * ``llama3_2048_comera_save``: ``*_comera`` with ``titan.SelectiveAC``, which saves the comera ops'
   outputs instead of recomputing them in the backward as torchtitan's own selective checkpointing does.
 
@@ -208,6 +210,26 @@ def llama3_2048_fused_chunked() -> Trainer.Config:
 def llama3_2048_comera() -> Trainer.Config:
     # btt r1 trains best at a higher lr than its dense twin (cc.param_groups' docs: 4.8e-3 to 9.6e-3 at d 2048)
     return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True, lr=4.8e-3)
+
+
+def _cuda_graphs(config: Trainer.Config) -> Trainer.Config:
+    # torchtitan's default: the forward and backward captured in one CUDA graph after an uncaptured step
+    config.training.disable_cuda_graphs = False
+    return config
+
+
+def llama3_2048_dense_ce_cg() -> Trainer.Config:
+    return _cuda_graphs(llama3_2048_dense_ce())
+
+
+def llama3_2048_fused_cg() -> Trainer.Config:
+    # set before configure, which then picks the fused loss's capturable path (backward="exact")
+    return titan.configure(_cuda_graphs(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048)), fused_loss=True)
+
+
+def llama3_2048_comera_cg() -> Trainer.Config:
+    return titan.configure(_cuda_graphs(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048)), tt=TT_2048,
+                           fused_loss=True, lr=4.8e-3)
 
 
 def llama3_2048_comera_save() -> Trainer.Config:
