@@ -64,7 +64,8 @@ def param_groups(
     the best of a sweep was 4.8e-3 for every group, 8x the dense model's 6e-4; at the dense model's
     ``lr`` the tensorized model lost to a dense model of its size. Sweep it rather than reuse the dense
     value. btt at rank 1 (what ``TTConfig()`` gives Linear layers at least 2048 wide) wanted more: 9.6e-3
-    at d 768 (16x dense's) and at d 2048 (32x the dense model's 3e-4), inside sweeps of four.
+    at d 768 (16x dense's) and at d 2048 (32x the dense model's 3e-4), inside sweeps of four; over
+    ~100 M tokens at d 2048, 4.8e-3. A higher rank wants less: btt rank 4 at d 2048, 2.4e-3 (8x dense's).
     In the same benchmark, gates at the cores' lr (the default) ended at 2.646 / 2.613 / 2.583
     validation loss over three seeds, against 2.778 / 2.835 over two with the gates at 10x; the dense
     model of the same width (3.5x the parameters) ended at 2.786 / 2.802.
