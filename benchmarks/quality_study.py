@@ -437,6 +437,7 @@ class Run:
     process: subprocess.Popen | None = None
     started: float | None = None
     status: str = "pending"  # pending, running, done, failed, stopped, skipped
+    alone: bool = False  # ran out of GPU memory beside other runs: runs again with the GPU to itself
 
 
 def split_name(name: str) -> tuple[str, float | None]:
@@ -573,14 +574,36 @@ def launch(run: Run, opts: argparse.Namespace) -> None:
     print(f"[{_clock()}] start {run.name}", flush=True)
 
 
+OUT_OF_MEMORY = ("CUDA out of memory", "OutOfMemoryError")
+
+
+def ran_out_of_memory(run: Run) -> bool:
+    """Whether the run's log ends in the GPU's out-of-memory error."""
+    try:
+        tail = run.log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return False
+    return any(marker in tail for marker in OUT_OF_MEMORY)
+
+
 def execute(runs: list[Run], opts: argparse.Namespace) -> None:
-    """Run everything, ``opts.concurrency`` at a time, each after the runs it needs; stop at the deadline."""
+    """Run everything, ``opts.concurrency`` at a time, each after the runs it needs; stop at the deadline.
+    A run that ran out of GPU memory while others shared the GPU runs once more, alone: no other run
+    starts while it waits for the GPU to empty or runs (the timing pass excepted: its runs meet at a
+    barrier)."""
     deadline = getattr(opts, "started", time.monotonic()) + opts.deadline_s if opts.deadline_s else None
     by_name = {r.name: r for r in runs}
     while True:
+        sharing = sum(r.status == "running" for r in runs) > 1
         for run in runs:
             if run.status == "running" and run.process.poll() is not None:
                 run.status = "done" if run.process.returncode == 0 else "failed"
+                if (run.status == "failed" and sharing and not run.alone and not getattr(opts, "timing", False)
+                        and ran_out_of_memory(run)):
+                    run.status, run.alone = "pending", True
+                    print(f"[{_clock()}] out of GPU memory beside other runs: {run.name} runs again alone",
+                          flush=True)
+                    continue
                 if opts.timing:  # a run that ended before the barrier (failed) keeps no one waiting there
                     barrier = opts.out_dir / "timing" / "barrier"
                     barrier.mkdir(parents=True, exist_ok=True)
@@ -591,12 +614,19 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
                                                for n in run.needs):
                 run.status = "skipped"
         running = sum(r.status == "running" for r in runs)
-        for run in runs:
-            if running >= opts.concurrency:
-                break
-            if run.status == "pending" and all(by_name[n].status == "done" for n in run.needs):
-                launch(run, opts)
-                running += 1
+        waiting_alone = [r for r in runs if r.alone and r.status == "pending"]
+        if any(r.alone and r.status == "running" for r in runs):
+            pass  # the GPU is the retried run's
+        elif waiting_alone:
+            if running == 0:
+                launch(waiting_alone[0], opts)
+        else:
+            for run in runs:
+                if running >= opts.concurrency:
+                    break
+                if run.status == "pending" and all(by_name[n].status == "done" for n in run.needs):
+                    launch(run, opts)
+                    running += 1
         if not any(r.status in ("pending", "running") for r in runs):
             return
         if deadline is not None and time.monotonic() > deadline:

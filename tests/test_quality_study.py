@@ -224,6 +224,53 @@ def test_deadline_counts_from_the_study_start(tmp_path):
     assert run.status == "stopped" and run.process.poll() is not None
 
 
+def test_a_run_out_of_gpu_memory_beside_others_runs_again_alone(tmp_path, monkeypatch):
+    """A run whose log ends in the GPU's out-of-memory error while other runs shared the GPU is run once
+    more, with the GPU to itself: nothing else starts while it waits or runs. A run that fails otherwise,
+    or runs out of memory alone, stays failed."""
+    import argparse
+    import subprocess
+    import time
+
+    scripts = {  # per run: what each attempt prints and its exit code
+        "oom": [("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1022.00 MiB", 1), ("ok", 0)],
+        "long": [("ok", 0)], "after": [("ok", 0)], "broken": [("ValueError: bad flag", 1)],
+        "oom-alone": [("torch.OutOfMemoryError: CUDA out of memory.", 1)],
+    }
+    sleeps = {"oom": 0.1, "long": 2.5, "after": 0.1, "broken": 0.1, "oom-alone": 0.1}
+    starts = []
+
+    def run_set(names):
+        return [study.Run(n, [], [], "", tmp_path / f"{n}.json", tmp_path / f"{n}.txt") for n in names]
+
+    def fake_launch(run, opts):
+        attempt = sum(1 for name, _ in starts if name == run.name)
+        text, code = scripts[run.name][attempt]
+        starts.append((run.name, sorted(r.name for r in runs if r.status == "running")))
+        with open(run.log, "w") as log:
+            run.process = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep({sleeps[run.name]}); "
+                                            f"print({text!r}); sys.exit({code})"], stdout=log)
+        run.started, run.status = time.monotonic(), "running"
+
+    monkeypatch.setattr(study, "launch", fake_launch)
+    opts = argparse.Namespace(deadline_s=None, concurrency=2, timing=False)
+    runs = run_set(["oom", "long", "after", "broken"])
+    study.execute(runs, opts)
+    status = {r.name: r.status for r in runs}
+    assert status == {"oom": "done", "long": "done", "after": "done", "broken": "failed"}, status
+    names = [name for name, _ in starts]
+    assert names.count("oom") == 2 and names.count("broken") == 1, starts
+    again = [others for name, others in starts if name == "oom"][1]
+    assert again == []  # the second attempt started on an empty GPU
+    after = names.index("oom", names.index("oom") + 1)
+    assert names.index("after") > after  # nothing started between the failure and the rerun
+    assert "oom" not in dict(starts)["after"]  # nor beside the rerun: "after" started once it had ended
+    starts.clear()
+    runs = run_set(["oom-alone"])
+    study.execute(runs, argparse.Namespace(deadline_s=None, concurrency=2, timing=False))
+    assert runs[0].status == "failed" and len(starts) == 1  # out of memory alone: no second try
+
+
 def test_timing_pass_compiles_side_by_side_and_times_each_alone(tmp_path):
     """--timing starts every configuration at once; each waits at the barrier until all are warmed up,
     then takes the device in turn: its step time is the median of its steps after the barrier."""
