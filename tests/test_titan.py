@@ -351,7 +351,8 @@ def test_configure_gives_a_captured_step_the_fused_loss_path_it_can_run(caplog):
     with caplog.at_level(logging.WARNING, logger="comera_compile"):
         assert titan.configure(trainer(True), fused_loss=exact).loss is exact
         assert titan.configure(trainer(True), fused_loss=chunked).loss is chunked
-        assert titan.configure(trainer(False), fused_loss=titan.FusedCrossEntropyLoss.Config()).loss.backward == "filtered"
+        default = titan.FusedCrossEntropyLoss.Config()
+        assert titan.configure(trainer(False), fused_loss=default).loss.backward == "filtered"
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("comera_compile")]
     assert ours == []
     filtered = titan.FusedCrossEntropyLoss.Config()
