@@ -230,7 +230,6 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_alone(tmp_path, monkey
     or runs out of memory alone, stays failed."""
     import argparse
     import subprocess
-    import time
 
     scripts = {  # per run: what each attempt prints and its exit code
         "oom": [("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1022.00 MiB", 1), ("ok", 0)],
@@ -250,7 +249,7 @@ def test_a_run_out_of_gpu_memory_beside_others_runs_again_alone(tmp_path, monkey
         with open(run.log, "w") as log:
             run.process = subprocess.Popen([sys.executable, "-c", f"import sys, time; time.sleep({sleeps[run.name]}); "
                                             f"print({text!r}); sys.exit({code})"], stdout=log)
-        run.started, run.status = time.monotonic(), "running"
+        run.started, run.status = 0.0, "running"  # started: only printed (seconds since it)
 
     monkeypatch.setattr(study, "launch", fake_launch)
     opts = argparse.Namespace(deadline_s=None, concurrency=2, timing=False)
