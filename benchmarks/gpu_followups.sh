@@ -10,9 +10,12 @@
 #   3. bench_cce.py's Gemma-2 / Llama-3 rows (random and peaked), unless SKIP_CCE=1;
 #   4. the torchtitan demo (examples/torchtitan/run_demo.sh, d 2048, dense_ce / fused loss / btt + fused loss, and
 #      torchtitan's chunked dense from torch 2.12 on, TITAN_STEPS steps each) from the wheels carried in
-#      .whl/titan (carry it).
+#      .whl/titan (carry it). run_demo.sh's own settings pass through: VARIANTS="dense_ce_cg comera_cg" (the
+#      variants to run, e.g. those with torchtitan's CUDA graph of the step), PROFILE_PYTHON=1 (host time by
+#      Python function in the profile).
 #
-#   [SKIP_TESTS=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43] bash benchmarks/gpu_followups.sh [OUT_DIR]
+#   [SKIP_TESTS=1] [SKIP_E2E=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43]
+#   [VARIANTS=...] [PROFILE_PYTHON=1] bash benchmarks/gpu_followups.sh [OUT_DIR]
 #
 # Make BASE with: mkdir -p .ab/base && git archive a9ab1e1 comera_compile passes kernels benchmarks pyproject.toml
 #   | tar -x -C .ab/base     (.ab/ is ignored by git: run(carry=[".whl", ".ab"])).
@@ -34,7 +37,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     > "$out/gpu_tests.log" 2>&1
   stamp "gpu tests rc $?"
 fi
-for model in lm-d2048 lm-d4096; do
+models="lm-d2048 lm-d4096"; [ -n "${SKIP_E2E:-}" ] && models=""
+for model in $models; do
   if [ -n "${BASE:-}" ] && [ -d "${BASE}/comera_compile" ]; then
     base=$(realpath "$BASE")
     (cd "$base" && PYTHONPATH=$base timeout 300 python3 benchmarks/bench_e2e.py --model $model --steps 20 \
