@@ -538,6 +538,20 @@ def test_the_synthetic_stream_follows_its_rule_token_by_token_and_resumes():
     assert torch.equal(inputs["input"], got[2][0]["input"]) and torch.equal(labels, got[2][1])
 
 
+def test_the_launchers_device_busy_time_leaves_out_annotations():
+    """examples/torchtitan/launch.py --profile-steps: a step's device busy time and kernel count sum the
+    device events but not the user annotations on the device timeline (the optimizer's step, FSDP's
+    pre-backward), which span kernels counted already."""
+    import launch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cuda, self_device_time_total=300.0, count=3, is_user_annotation=False),
+              SimpleNamespace(device_type=cuda, self_device_time_total=120.0, count=2, is_user_annotation=False),
+              SimpleNamespace(device_type=cuda, self_device_time_total=390.0, count=1, is_user_annotation=True),
+              SimpleNamespace(device_type=cpu, self_device_time_total=50.0, count=9, is_user_annotation=False)]
+    assert launch._device_totals(events) == (420.0, 5)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--profile-python"], "--profile-python needs --profile-steps A:B"),
     (["--profile-steps", "5"], "--profile-steps takes A:B"),

@@ -171,6 +171,18 @@ def _timing_lines() -> None:
     MetricsProcessor._build_metric_logger = _build_metric_logger
 
 
+def _device_totals(events) -> tuple[float, int]:
+    """The device time (us) and the number of device events in a profile's ``key_averages()``, without the
+    user annotations on the device timeline ("Optimizer.step#AdamW.step", "FSDP::pre_backward (...)"): each
+    spans kernels that are counted already, so with them a step's busy time counts those kernels twice (as
+    torch's own table totals, which leave them out too)."""
+    import torch
+
+    device = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False)]
+    return sum(getattr(e, "self_device_time_total", 0) for e in device), sum(e.count for e in device)
+
+
 def _profile_steps(first: int, end: int, python: bool = False) -> None:
     """Profile training steps ``first`` .. ``end - 1`` (see the module's docstring)."""
     import time
@@ -206,9 +218,7 @@ def _profile_steps(first: int, end: int, python: bool = False) -> None:
             prof.__exit__(None, None, None)
             events = prof.key_averages()
             sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-            kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-            device_us = sum(getattr(e, "self_device_time_total", 0) for e in events
-                            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+            device_us, kernels = _device_totals(events)
             print(f"launch.py profile: steps {first}-{end - 1}: {wall * 1e3:.1f} ms per step (host wall), "
                   f"device busy {device_us / 1e3 / (end - first):.1f} ms per step, "
                   f"{kernels / (end - first):.0f} kernels per step", flush=True)
