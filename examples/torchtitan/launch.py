@@ -183,6 +183,17 @@ def _device_totals(events) -> tuple[float, int]:
     return sum(getattr(e, "self_device_time_total", 0) for e in device), sum(e.count for e in device)
 
 
+def _with_python_functions(prof):
+    """``prof.key_averages()`` with the Python function events of ``with_stack=True`` in it: torch 2.14
+    leaves them out unless ``include_python_functions=True`` (an argument earlier releases lack, where they
+    are always in)."""
+    import inspect
+
+    if "include_python_functions" in inspect.signature(prof.key_averages).parameters:
+        return prof.key_averages(include_python_functions=True)
+    return prof.key_averages()
+
+
 def _profile_steps(first: int, end: int, python: bool = False) -> None:
     """Profile training steps ``first`` .. ``end - 1`` (see the module's docstring)."""
     import time
@@ -225,7 +236,8 @@ def _profile_steps(first: int, end: int, python: bool = False) -> None:
             for line in events.table(sort_by=sort, row_limit=30).splitlines():
                 print(f"launch.py profile: {line}", flush=True)
             if python:
-                for line in events.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90
+                for line in _with_python_functions(prof).table(sort_by="self_cpu_time_total", row_limit=60,
+                                                               max_name_column_width=90
                                          ).splitlines():
                     print(f"launch.py host: {line}", flush=True)
         return out
