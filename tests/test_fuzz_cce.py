@@ -429,8 +429,9 @@ def check_edge_program(p: EdgeProgram) -> bool:
         # that the program applies to an fp32 input (its bias, ``b.to(h.dtype)``) rounding as they do in the
         # program's own dtype (in fp32, h.dtype is fp32 and the cast would keep the bias unrounded).
         exact_source = p.source.replace("b.to(h.dtype)", f"b.to(torch.{p.dtype}).to(h.dtype)")
-        exec(compile(exact_source, "<fuzz program, exact>", "exec"), namespace)
-        exact, exact_grads, _ = _run(namespace["program"], [t.float() for t in leaves], y, compiled=False,
+        exact_namespace = dict(_NAMESPACE)
+        exec(compile(exact_source, "<fuzz program, exact>", "exec"), exact_namespace)
+        exact, exact_grads, _ = _run(exact_namespace["program"], [t.float() for t in leaves], y, compiled=False,
                                      backward=True)
         if torch.isfinite(ref).all():
             assert torch.isfinite(out).all(), (out, ref)
