@@ -26,7 +26,9 @@ Runs are separate processes (``--concurrency`` at a time): validation loss does 
 they share the GPU. A run that needs another's checkpoint (``svd-*`` start from ``dense``, at the same
 learning rate) starts when that one is done. ``--deadline-s`` (counted from the study's start, data
 preparation included) stops what is still running in time to write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
-validation loss (marked). Step times measured side by side are inflated by the sharing; ``--timing``
+validation loss (marked). ``--abandon 0.1`` stops a run that is more than 10 % above another learning
+rate of its configuration at the same validation step (from 30 % of the steps on, ``--abandon-after``), so
+a sweep's hopeless points give the GPU to the runs still pending. Step times measured side by side are inflated by the sharing; ``--timing``
 times each configuration alone (once, whatever ``--lrs`` says: all compile side by side, then each runs
 its timed steps while the others wait, train_lm ``--barrier``) for ``--timing-steps`` steps and the
 tables take step time and memory from there when present (``--trained``: from the models the study
@@ -436,7 +438,7 @@ class Run:
     log: Path
     process: subprocess.Popen | None = None
     started: float | None = None
-    status: str = "pending"  # pending, running, done, failed, stopped, skipped
+    status: str = "pending"  # pending, running, done, failed, stopped, abandoned, skipped
     alone: bool = False  # ran out of GPU memory beside other runs: runs again with the GPU to itself
 
 
@@ -586,6 +588,9 @@ def ran_out_of_memory(run: Run) -> bool:
     return any(marker in tail for marker in OUT_OF_MEMORY)
 
 
+ABANDON_CHECK_S = 15.0  # --abandon: seconds between reads of the running runs' logs
+
+
 def execute(runs: list[Run], opts: argparse.Namespace) -> None:
     """Run everything, ``opts.concurrency`` at a time, each after the runs it needs; stop at the deadline.
     A run that ran out of GPU memory while others shared the GPU runs once more, alone: no other run
@@ -593,7 +598,11 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
     barrier)."""
     deadline = getattr(opts, "started", time.monotonic()) + opts.deadline_s if opts.deadline_s else None
     by_name = {r.name: r for r in runs}
+    checked = time.monotonic()
     while True:
+        if getattr(opts, "abandon", None) and not getattr(opts, "timing", False) and time.monotonic() - checked > ABANDON_CHECK_S:
+            abandon_behind(runs, opts)
+            checked = time.monotonic()
         sharing = sum(r.status == "running" for r in runs) > 1
         for run in runs:
             if run.status == "running" and run.process.poll() is not None:
@@ -610,7 +619,7 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
                     (barrier / f"ready-ended-{run.name}").touch()
                 print(f"[{_clock()}] {run.status} {run.name} ({time.monotonic() - run.started:.0f}s)", flush=True)
         for run in runs:
-            if run.status == "pending" and any(by_name[n].status in ("failed", "skipped", "stopped")
+            if run.status == "pending" and any(by_name[n].status in ("failed", "skipped", "stopped", "abandoned")
                                                for n in run.needs):
                 run.status = "skipped"
         running = sum(r.status == "running" for r in runs)
@@ -633,6 +642,49 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
             stop_all(runs)
             return
         time.sleep(1.0)
+
+
+def _evals(run: Run) -> list[dict]:
+    """The validation losses the run's JSON log holds so far (train_lm rewrites it at every evaluation)."""
+    try:
+        return json.loads(run.json.read_text()).get("evals") or []
+    except (OSError, ValueError):  # not written yet, or caught while being written
+        return []
+
+
+def behind(runs: list[Run], margin: float, after_step: int) -> list[tuple[Run, dict, str, float]]:
+    """The running runs to give up on: at their last evaluation (at step ``after_step`` or later) the
+    validation loss is more than ``margin`` (a fraction) above that of another learning rate of the same
+    configuration at the same step. Returns ``(run, its last evaluation, the better run, its loss)``."""
+    evals = {r.name: _evals(r) for r in runs if r.status in ("running", "done", "stopped", "abandoned")}
+    found = []
+    for run in runs:
+        mine = evals.get(run.name)
+        if run.status != "running" or not mine or mine[-1]["step"] < after_step:
+            continue
+        last, base = mine[-1], split_name(run.name)[0]
+        rivals = [(other, e["val_loss"]) for other, others in evals.items()
+                  if other != run.name and split_name(other)[0] == base
+                  for e in others if e["step"] == last["step"] and math.isfinite(e["val_loss"])]
+        if rivals:
+            better, loss = min(rivals, key=lambda item: item[1])
+            if not math.isfinite(last["val_loss"]) or last["val_loss"] > loss * (1 + margin):
+                found.append((run, last, better, loss))
+    return found
+
+
+def abandon_behind(runs: list[Run], opts: argparse.Namespace) -> None:
+    """``--abandon``: stop the runs :func:`behind` names (their GPU share goes to the runs still pending);
+    they report their last validation loss, marked cut short, as a run stopped by the deadline does."""
+    for run, last, better, loss in behind(runs, opts.abandon, math.ceil(opts.abandon_after * opts.steps)):
+        print(f"[{_clock()}] abandoned {run.name} at step {last['step']}: val loss {last['val_loss']:.4f}, "
+              f"{last['val_loss'] / loss - 1:+.1%} against {better}'s {loss:.4f} at that step", flush=True)
+        run.process.terminate()
+        try:
+            run.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            run.process.kill()
+        run.status = "abandoned"
 
 
 def stop_all(runs: list[Run]) -> None:
@@ -1066,6 +1118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="stop the runs still going this many seconds after the study started (data preparation "
                         "included) and report what they logged")
+    p.add_argument("--abandon", type=float, default=None, metavar="FRACTION",
+                   help="stop a run whose validation loss is more than FRACTION (e.g. 0.1) above that of another "
+                        "learning rate of the same configuration at the same step, from --abandon-after of the "
+                        "steps on: a sweep's hopeless points give their GPU share to the runs still pending "
+                        "(reported cut short, at their last validation)")
+    p.add_argument("--abandon-after", type=float, default=0.3, metavar="FRACTION",
+                   help="with --abandon: the fraction of --steps before which no run is abandoned (default 0.3)")
     p.add_argument("--extra", default="", help="more train_lm flags for every run, e.g. '--cuda-graphs'")
     p.add_argument("--cache-dir", type=Path, default=None, help="tokenizer cache (default: <out-dir>/cache)")
     p.add_argument("--timing", action="store_true",
@@ -1086,6 +1145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
         p.set_defaults(**SMOKE_SIZES)
     opts = p.parse_args(argv)
+    if opts.abandon is not None and not opts.abandon > 0:
+        p.error(f"--abandon: a fraction above 0, e.g. 0.1 (10 % above the best lr at the same step), not {opts.abandon}")
+    if not 0 <= opts.abandon_after <= 1:
+        p.error(f"--abandon-after: a fraction of the steps in [0, 1], not {opts.abandon_after}")
     names = []
     for item in (n for n in opts.configs.split(",") if n):
         names += list(CONFIGS) if item == "all" else GROUPS.get(item, [item])

@@ -10,7 +10,8 @@
 # Environment: WORK (default /tmp/width), TIMING (configurations timed alone first; empty: none), RUNS
 # (the study's runs, NAME@LR, in order of priority), CONCURRENCY (4), STEPS (1900 x 32 x 512 = 31.1 M
 # tokens), EVAL_EVERY (95), EXTRA (more train_lm flags for every run), TIMING_DEADLINE_S (330), DEADLINE_S
-# (the study's, 1050), POLL_S (540), GPU_TESTS (1: tests/test_gpu.py and tests/test_gpu_cce.py run beside the study, log
+# (the study's, 1050), POLL_S (540), ABANDON (e.g. 0.1: quality_study's --abandon, a run more than 10 % behind
+# another lr of its row at the same step stops, from 30 % of the steps on; unset: none), GPU_TESTS (1: tests/test_gpu.py and tests/test_gpu_cce.py run beside the study, log
 # gpu_tests.log; or the test files to run). The long horizon (>= 100 M tokens, one epoch at most):
 #   STEPS=6200 EVAL_EVERY=310 EXTRA="--max-corpus-mb 450" RUNS="w-dense@0.0003,w-btt-r1@0.0096,w-d1024@0.0006" ...
 set -u
@@ -36,7 +37,7 @@ if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests beside the study (nothing they
      echo "gpu tests rc \$?" >> "$work/gpu_tests.log") &
 fi
 python3 benchmarks/quality_study.py "\${common[@]}" --configs "${RUNS:-}" --concurrency ${CONCURRENCY:-4} \
-    --deadline-s ${DEADLINE_S:-1050} || echo "study: rc \$?"
+    --deadline-s ${DEADLINE_S:-1050} ${ABANDON:+--abandon $ABANDON} || echo "study: rc \$?"
 echo JOB-DONE
 JOB
     setsid nohup bash "$work/job.sh" > "$work/job.log" 2>&1 < /dev/null &

@@ -356,3 +356,67 @@ def test_the_best_row_names_a_cut_short_lr_that_was_already_lower():
     (only,) = study.best_rows([run(0.0024, [(100, 4.0), (200, 3.0)], True), cut_worse])
     assert only["cut_lower"] == []
     assert study.cut_lower_runs([cut_worse], [only]) == []
+
+
+def _fake_run(tmp_path, name, evals, status="running"):
+    path = tmp_path / "runs" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"evals": [{"step": s, "val_loss": v} for s, v in evals]}))
+    return study.Run(name=name, flags=[], needs=[], doc="", json=path, log=tmp_path / f"{name}.txt", status=status)
+
+
+def test_abandon_names_runs_behind_another_lr_of_their_row_at_the_same_step(tmp_path):
+    """--abandon: a running run more than the margin above another lr of its own configuration at the
+    same validation step, and only from the given step on; other configurations never count."""
+    good = _fake_run(tmp_path, "w-btt-r2@0.0048", [(95, 6.0), (190, 4.0), (285, 3.0)])
+    bad = _fake_run(tmp_path, "w-btt-r2@0.0192", [(95, 6.1), (190, 4.6), (285, 3.5)])
+    close = _fake_run(tmp_path, "w-btt-r2@0.0096", [(95, 6.0), (190, 4.3), (285, 3.2)])
+    other_row = _fake_run(tmp_path, "w-dense@0.0003", [(95, 5.0), (190, 3.0), (285, 2.0)])
+    early = _fake_run(tmp_path, "w-dense@0.0006", [(95, 9.0)])
+    runs = [good, bad, close, other_row, early]
+    found = study.behind(runs, 0.1, after_step=190)
+    assert [(r.name, last["step"], better, loss) for r, last, better, loss in found] == \
+        [("w-btt-r2@0.0192", 285, "w-btt-r2@0.0048", 3.0)]  # 3.2 is within 10 % of 3.0; 9.0 is before step 190
+    assert [r.name for r, *_ in study.behind(runs, 0.05, after_step=190)] == ["w-btt-r2@0.0192", "w-btt-r2@0.0096"]
+    assert [r.name for r, *_ in study.behind(runs, 0.1, after_step=0)] == ["w-btt-r2@0.0192", "w-dense@0.0006"]
+    assert study.behind(runs, 0.1, after_step=300) == []  # nobody has reached step 300
+    bad.status = "done"  # a finished run is never abandoned, but still counts as a rival
+    assert study.behind(runs, 0.1, after_step=190) == []
+    unreadable = study.Run(name="w-btt-r2@0.0024", flags=[], needs=[], doc="", json=tmp_path / "none.json",
+                           log=tmp_path / "none.txt", status="running")
+    assert study.behind([good, unreadable], 0.1, after_step=0) == []  # no log yet: nothing to judge
+
+
+def test_abandon_arguments_are_checked(tmp_path):
+    for bad in (["--abandon", "0"], ["--abandon", "-0.1"], ["--abandon", "0.1", "--abandon-after", "1.5"]):
+        with pytest.raises(SystemExit):
+            study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "dense"] + bad)
+    opts = study.parse_args(["--smoke", "--out-dir", str(tmp_path), "--configs", "dense", "--abandon", "0.1"])
+    assert opts.abandon == 0.1 and opts.abandon_after == 0.3
+
+
+def test_execute_abandons_the_run_behind_and_starts_the_next(tmp_path, monkeypatch):
+    """In the scheduler: the run behind is stopped (status "abandoned"), which frees its slot for the
+    pending run; the run ahead goes on."""
+    import argparse
+    import subprocess
+    monkeypatch.setattr(study, "ABANDON_CHECK_S", 0.0)
+    ahead = _fake_run(tmp_path, "w-btt-r2@0.0048", [(95, 3.0)], status="pending")
+    behind = _fake_run(tmp_path, "w-btt-r2@0.0192", [(95, 4.0)], status="pending")
+    pending = _fake_run(tmp_path, "w-btt-r2@0.0096", [], status="pending")
+    launched = []
+
+    def launch(run, opts):
+        run.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        run.started, run.status = study.time.monotonic(), "running"
+        launched.append(run.name)
+        if run is pending:  # the last run: end the study by stopping everything
+            ahead.process.terminate()
+            run.process.terminate()
+
+    monkeypatch.setattr(study, "launch", launch)
+    opts = argparse.Namespace(abandon=0.1, abandon_after=0.0, steps=190, concurrency=2, deadline_s=None,
+                              timing=False)
+    study.execute([ahead, behind, pending], opts)
+    assert launched == ["w-btt-r2@0.0048", "w-btt-r2@0.0192", "w-btt-r2@0.0096"]
+    assert behind.status == "abandoned" and behind.process.poll() is not None
