@@ -12,6 +12,8 @@
 # The width study (BENCHMARKS.md section 8: d 2048 x 8 layers, time to dense's loss; about 16 GiB a run, so
 # 6 at a time): GROUP=width2048 bash benchmarks/quality_benchmark.sh DIR "" 6. On a GPU whose calls are short,
 # benchmarks/width_gpu.sh runs chosen rows in the background and collects them.
+# ABANDON=0.1 stops a run 10 % behind another learning rate of its row at the same step (quality_study
+# --abandon), so the sweep's hopeless points give the GPU to the runs still pending.
 # Then, on any machine, the tables and plots from the logs:
 #   python benchmarks/quality_study.py --out-dir DIR --configs benchmark --report-only --plot-dir docs \
 #       --plot-prefix quality_benchmark_
@@ -29,4 +31,4 @@ python3 benchmarks/quality_study.py "${common[@]}" --timing --timing-steps 40 --
 lrs=(--lrs grid)
 [ "${LRS:-grid}" = none ] && lrs=()  # the group's own NAME@LR learning rates
 python3 benchmarks/quality_study.py "${common[@]}" "${lrs[@]}" --concurrency "$concurrency" \
-    ${deadline:+--deadline-s "$deadline"}
+    ${deadline:+--deadline-s "$deadline"} ${ABANDON:+--abandon "$ABANDON"}
