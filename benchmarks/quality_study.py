@@ -235,11 +235,12 @@ CONFIGS.update({
                       ("--d-model", "1024", "--n-layers", "8", "--n-heads", "8"), lrs=W_FRONTIER_LRS),
     "w-d1536": Config("dense at d 1536 (the dense frontier)", ("--d-model", "1536", "--n-layers", "8", "--n-heads",
                                                                 "12"), lrs=W_FRONTIER_LRS),
+    # plain low-rank and plain TT were best at the low edge of their first sweeps: their grids go one lower
     "w-lowrank-iso": Config("blocks as plain low-rank products at the block parameters of w-btt-r1", W2048,
-                            lowrank_of="w-btt-r1", lrs=NARROW_LRS),
+                            lowrank_of="w-btt-r1", lrs=(3e-4,) + NARROW_LRS),
     "w-ttm-r32": Config("blocks TT-matrix rank 32", W2048 + ("--tensorize", "32") + TTM, lrs=FACTORED_LRS),
     "w-tt-r32": Config("blocks plain tensor train (fmt 'tt') rank 32: the fastest whole step at d 2048 in "
-                       "bench_e2e", W2048 + ("--tensorize", "32", "--fmt", "tt"), lrs=FACTORED_LRS),
+                       "bench_e2e", W2048 + ("--tensorize", "32", "--fmt", "tt"), lrs=(6e-4,) + FACTORED_LRS),
     "w-btt-r1": Config("blocks btt rank 1 through the package", W2048 + ("--tensorize", "1") + BTT, lrs=W_BTT_LRS),
     "w-btt-r2": Config("blocks btt rank 2 through the package", W2048 + ("--tensorize", "2") + BTT, lrs=W_BTT_LRS),
     "w-btt-r4": Config("blocks btt rank 4 through the package", W2048 + ("--tensorize", "4") + BTT, lrs=W_BTT_LRS),
