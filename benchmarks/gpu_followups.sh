@@ -14,8 +14,13 @@
 #      variants to run, e.g. those with torchtitan's CUDA graph of the step), PROFILE_PYTHON=1 (host time by
 #      Python function in the profile).
 #
+#   5. then, if WIDTH_RUNS is set, the width study's runs (benchmarks/width_gpu.sh start, in its own
+#      background job in WORK, default /tmp/width): RUNS=$WIDTH_RUNS, and width_gpu.sh's other settings
+#      (TIMING, CONCURRENCY, DEADLINE_S, ABANDON, ...) pass through; collect with `bash
+#      benchmarks/width_gpu.sh poll`. So one lease times the checks above alone, then trains.
+#
 #   [SKIP_TESTS=1] [SKIP_E2E=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43]
-#   [VARIANTS=...] [PROFILE_PYTHON=1] bash benchmarks/gpu_followups.sh [OUT_DIR]
+#   [VARIANTS=...] [PROFILE_PYTHON=1] [WIDTH_RUNS=...] bash benchmarks/gpu_followups.sh [OUT_DIR]
 #
 # Make BASE with: mkdir -p .ab/base && git archive a9ab1e1 comera_compile passes kernels benchmarks pyproject.toml
 #   | tar -x -C .ab/base     (.ab/ is ignored by git: run(carry=[".whl", ".ab"])).
@@ -59,5 +64,10 @@ if [ -d .whl/titan ]; then
   PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan" DUMP=/tmp/titan_dump STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} timeout 900 \
     bash examples/torchtitan/run_demo.sh > "$out/titan.log" 2>&1
   stamp "titan rc $?"
+fi
+if [ -n "${WIDTH_RUNS:-}" ]; then
+  RUNS="$WIDTH_RUNS" POLL_S=0 OUT="$out/width" bash benchmarks/width_gpu.sh start \
+    > "$out/width_start.log" 2>&1
+  stamp "width study started (${WORK:-/tmp/width}/job.log)"
 fi
 touch "$out/ALL_DONE"

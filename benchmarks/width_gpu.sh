@@ -32,7 +32,7 @@ if [ -n "${TIMING:-}" ]; then
         --deadline-s ${TIMING_DEADLINE_S:-330} || echo "timing pass: rc \$?"
 fi
 if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests beside the study (nothing they do is timed)
-    tests="${GPU_TESTS}"; [ "\$tests" = 1 ] && tests="tests/test_gpu.py tests/test_gpu_cce.py"
+    tests="${GPU_TESTS:-}"; [ "\$tests" = 1 ] && tests="tests/test_gpu.py tests/test_gpu_cce.py"
     (timeout 600 python3 -m pytest -q -p no:cacheprovider \$tests > "$work/gpu_tests.log" 2>&1;
      echo "gpu tests rc \$?" >> "$work/gpu_tests.log") &
 fi

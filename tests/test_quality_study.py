@@ -420,3 +420,38 @@ def test_execute_abandons_the_run_behind_and_starts_the_next(tmp_path, monkeypat
     study.execute([ahead, behind, pending], opts)
     assert launched == ["w-btt-r2@0.0048", "w-btt-r2@0.0192", "w-btt-r2@0.0096"]
     assert behind.status == "abandoned" and behind.process.poll() is not None
+
+
+def test_gpu_followups_starts_the_width_study_with_its_settings(tmp_path):
+    """benchmarks/gpu_followups.sh with WIDTH_RUNS starts benchmarks/width_gpu.sh's background job after
+    its own checks, and the study's settings (RUNS, ABANDON, CONCURRENCY) reach quality_study.py. python3
+    is a stand-in that records its arguments, so nothing trains."""
+    import os
+    import shutil
+    import subprocess
+    import time
+    tree, work, fake = tmp_path / "tree", tmp_path / "work", tmp_path / "bin"
+    (tree / "benchmarks").mkdir(parents=True)
+    for name in ("gpu_followups.sh", "width_gpu.sh"):
+        shutil.copy(ROOT / "benchmarks" / name, tree / "benchmarks" / name)
+    fake.mkdir()
+    calls = tmp_path / "calls.txt"
+    for tool in ("python3", "nvidia-smi"):
+        (fake / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {calls}\n')
+        (fake / tool).chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SKIP_TESTS="1", SKIP_E2E="1",
+               SKIP_CCE="1", WIDTH_RUNS="w-btt-r2@0.0024,w-tt-r32@0.0006", WORK=str(work), ABANDON="0.1",
+               CONCURRENCY="2", TIMING="")
+    env.pop("GPU_TESTS", None)  # unset, as in the README's command (it once stopped the job under set -u)
+    subprocess.run(["bash", "benchmarks/gpu_followups.sh", str(tmp_path / "out")], cwd=tree, env=env, check=True,
+                   timeout=120)
+    assert (tmp_path / "out" / "ALL_DONE").exists()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "JOB-DONE" not in (work / "job.log").read_text():
+        time.sleep(0.2)
+    study_calls = [line for line in calls.read_text().splitlines() if "quality_study.py" in line]
+    assert len(study_calls) == 1, calls.read_text()  # TIMING empty: no timing pass
+    args = study_calls[0].split()
+    assert args[args.index("--configs") + 1] == "w-btt-r2@0.0024,w-tt-r32@0.0006"
+    assert args[args.index("--abandon") + 1] == "0.1" and args[args.index("--concurrency") + 1] == "2"
+    assert "width study started" in (tmp_path / "out" / "progress.txt").read_text()
