@@ -28,7 +28,8 @@ learning rate) starts when that one is done. ``--deadline-s`` (counted from the 
 preparation included) stops what is still running in time to write the results: each run updates its JSON at every evaluation, so a stopped run reports its last
 validation loss (marked). ``--abandon 0.1`` stops a run that is more than 10 % above another learning
 rate of its configuration at the same validation step (from 30 % of the steps on, ``--abandon-after``), so
-a sweep's hopeless points give the GPU to the runs still pending. Step times measured side by side are inflated by the sharing; ``--timing``
+a sweep's hopeless points give the GPU to the runs still pending. Step times measured side by side are
+inflated by the sharing; ``--timing``
 times each configuration alone (once, whatever ``--lrs`` says: all compile side by side, then each runs
 its timed steps while the others wait, train_lm ``--barrier``) for ``--timing-steps`` steps and the
 tables take step time and memory from there when present (``--trained``: from the models the study
@@ -601,7 +602,8 @@ def execute(runs: list[Run], opts: argparse.Namespace) -> None:
     by_name = {r.name: r for r in runs}
     checked = time.monotonic()
     while True:
-        if getattr(opts, "abandon", None) and not getattr(opts, "timing", False) and time.monotonic() - checked > ABANDON_CHECK_S:
+        if (getattr(opts, "abandon", None) and not getattr(opts, "timing", False)
+                and time.monotonic() - checked > ABANDON_CHECK_S):
             abandon_behind(runs, opts)
             checked = time.monotonic()
         sharing = sum(r.status == "running" for r in runs) > 1
@@ -1147,7 +1149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(**SMOKE_SIZES)
     opts = p.parse_args(argv)
     if opts.abandon is not None and not opts.abandon > 0:
-        p.error(f"--abandon: a fraction above 0, e.g. 0.1 (10 % above the best lr at the same step), not {opts.abandon}")
+        p.error(f"--abandon: a fraction above 0, e.g. 0.1 (10 % above the best lr at the same step), "
+                f"not {opts.abandon}")
     if not 0 <= opts.abandon_after <= 1:
         p.error(f"--abandon-after: a fraction of the steps in [0, 1], not {opts.abandon_after}")
     names = []
