@@ -11,8 +11,9 @@
 # (the study's runs, NAME@LR, in order of priority), CONCURRENCY (4), STEPS (1900 x 32 x 512 = 31.1 M
 # tokens), EVAL_EVERY (95), EXTRA (more train_lm flags for every run), TIMING_DEADLINE_S (330), DEADLINE_S
 # (the study's, 1050), POLL_S (540), ABANDON (e.g. 0.1: quality_study's --abandon, a run more than 10 % behind
-# another lr of its row at the same step stops, from 30 % of the steps on; unset: none), GPU_TESTS (1: tests/test_gpu.py and tests/test_gpu_cce.py run beside the study, log
-# gpu_tests.log; or the test files to run). The long horizon (>= 100 M tokens, one epoch at most):
+# another lr of its row at the same step stops, from 30 % of the steps on; unset: none), GPU_TESTS (1:
+# tests/test_gpu.py and tests/test_gpu_cce.py run beside the study, log gpu_tests.log; or the test files to
+# run; unset: none). The long horizon (>= 100 M tokens, one epoch at most):
 #   STEPS=6200 EVAL_EVERY=310 EXTRA="--max-corpus-mb 450" RUNS="w-dense@0.0003,w-btt-r1@0.0096,w-d1024@0.0006" ...
 set -u
 cmd=${1:-poll}
