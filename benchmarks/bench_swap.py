@@ -2,7 +2,8 @@
 ``permute(2, 1, 0, 3).contiguous()`` and a plain copy of the same bytes (``clone``: what the memory
 allows), bf16, at the shapes of the width sweep's btt layers, on one GPU. ``triton`` is the kernel as
 the blocks path runs it (rank > 1: the K elements of a position moved as one wider integer),
-``narrow`` the same kernel on the bf16 elements themselves.
+``narrow`` the same kernel on the bf16 elements themselves, ``t<N>k/w<W>`` the token-tiled kernel (tiles of
+about N x 1024 elements spanning several positions, W warps; ``COMERA_BTT_SWAP_TILE``).
 
     python benchmarks/bench_swap.py                 # d 2048 and d 4096 layers, forward and backward swaps
     python benchmarks/bench_swap.py --json out.json
@@ -29,12 +30,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import comera_compile as cc  # noqa: E402
-from comera_compile.kernels.btt_swap import swap_blocks  # noqa: E402
+from comera_compile.kernels.btt_swap import _swap_triton, swap_blocks  # noqa: E402
 from comera_compile.tensorize.parametrization import iter_tt_layers  # noqa: E402
 
-# (d_in, d_out, rank): the width sweep's attention and FFN layers at d 2048 and d 4096, and rank 4
-LAYERS = [(2048, 2048, 1), (2048, 5632, 1), (4096, 4096, 1), (4096, 11008, 1), (4096, 4096, 4)]
+# (d_in, d_out, rank): the width sweep's attention and FFN layers at d 2048 and d 4096 (with the torchtitan
+# demo's fused QKV 2048 -> 3072 and FFN 6144), and rank 4
+LAYERS = [(2048, 2048, 1), (2048, 3072, 1), (2048, 6144, 1), (6144, 2048, 1), (2048, 5632, 1), (4096, 4096, 1),
+          (4096, 11008, 1), (4096, 4096, 4)]
 SMOKE_LAYERS = [(64, 96, 1), (64, 64, 2)]
+# the token-tiled kernel (COMERA_BTT_SWAP_TILE): tile elements x num_warps
+TILED = [(4096, 4), (8192, 4), (8192, 8), (16384, 4), (16384, 8), (32768, 8)]
 
 
 def btt_spec(d_in: int, d_out: int, rank: int):
@@ -75,14 +80,16 @@ def main(argv=None) -> list[dict]:
             if not smoke:
                 fns["triton"] = lambda: swap_blocks(x, impl="triton")
                 fns["narrow"] = lambda: swap_blocks(x, impl="triton", widen=False)
-                for name in ("triton", "narrow"):
-                    torch.testing.assert_close(fns[name](), want, rtol=0, atol=0)
+                for tile, warps in TILED:
+                    fns[f"t{tile // 1024}k/w{warps}"] = (
+                        lambda tile=tile, warps=warps: _swap_triton(x, True, tile, warps))
+                for name in fns:
+                    if name not in ("permute", "copy"):
+                        torch.testing.assert_close(fns[name](), want, rtol=0, atol=0)
             torch.testing.assert_close(fns["permute"](), want, rtol=0, atol=0)
             nbytes = 2 * x.numel() * x.element_size()
             times = {k: (float("nan") if smoke else 1e3 * cuda_time_ms(f, args.iters)) for k, f in fns.items()}
-            for variant in ("triton", "narrow", "permute", "copy"):
-                if variant not in times:
-                    continue
+            for variant in times:
                 us = times[variant]
                 row = {"d_in": d_in, "d_out": d_out, "rank": rank, "swap": which, "shape": list(shape),
                        "variant": variant, "us": us, "tb_s": nbytes / us / 1e6 if us == us else None,
@@ -90,6 +97,12 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 print(f"{f'{d_in} -> {d_out}, r{rank}':>22} {which:>4} {str(list(shape)):>22} {variant:>8} "
                       f"{us:8.1f} {row['tb_s'] or float('nan'):6.2f} {row['x_copy'] or float('nan'):7.2f}")
+    if not smoke:  # each variant's time over all the swaps above, against the kernel as it runs now
+        total = {}
+        for row in rows:
+            total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
+        print("all swaps above: " + ", ".join(f"{k} {v:.0f} us ({v / total['triton']:.2f}x)"
+                                             for k, v in sorted(total.items(), key=lambda kv: kv[1])))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows

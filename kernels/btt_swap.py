@@ -6,7 +6,10 @@ Between those GEMMs the intermediate ``T [b1, n, c, r]`` must become ``[c, n, b1
 ``permute().contiguous()`` that copy has a tiny contiguous axis on one side (``r`` elements, often 1), so
 every element is its own memory transaction. The Triton kernel here copies tiles
 ``[BLOCK_A, BLOCK_B, BLOCK_K]``: each load reads rows of ``BLOCK_B * K`` contiguous elements and each
-store writes rows of ``BLOCK_A * K``, the transpose done on chip, so both sides are coalesced.
+store writes rows of ``BLOCK_A * K``, the transpose done on chip, so both sides are coalesced. Where the
+moved rows are single elements (rank 1, or ranks whose ``K`` elements widen to one integer), a second
+kernel takes tiles of several consecutive positions ``m`` (``COMERA_BTT_SWAP_TILE``, :func:`default_tile`),
+so that its loads and stores run over ``BLOCK_M * B`` and ``BLOCK_M * A`` contiguous elements.
 
 The op is its own inverse (with ``A`` and ``B`` exchanged), so its backward is the same op on the
 gradient. CPU tensors (and dtypes Triton does not take) use ``permute(2, 1, 0, 3).contiguous()``;
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -25,7 +29,8 @@ import torch
 from comera_compile._scope import scoped
 from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
 
-__all__ = ["SwapImpl", "btt_swap", "current_impl", "swap_blocks", "use_impl", "widened"]
+__all__ = ["SwapImpl", "btt_swap", "current_impl", "default_tile", "swap_blocks", "token_tiles", "use_impl",
+           "widened"]
 
 if HAS_TRITON:
     import triton
@@ -50,6 +55,27 @@ if HAS_TRITON:
             tl.store(y_ptr + ((b3 * M + m) * A + a3) * K + k3, tile, mask=mask)
 
 
+    @triton.jit
+    def _swap_tokens_kernel(x_ptr, y_ptr, A, M, B, BLOCK_A: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+        # K = 1: x [A, M, B] -> y [B, M, A], a tile of BLOCK_M consecutive positions m per program, so that
+        # where the tile spans all of B (of A) each load (store) row is BLOCK_M x B (x A) contiguous elements
+        n_b = tl.cdiv(B, BLOCK_B)
+        tiles = tl.cdiv(A, BLOCK_A) * n_b
+        pid = tl.program_id(0).to(tl.int64)
+        pm = pid // tiles
+        pid = pid % tiles
+        oa = ((pid // n_b) * BLOCK_A + tl.arange(0, BLOCK_A)).to(tl.int64)
+        ob = ((pid % n_b) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+        om = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        a3 = oa[:, None, None]
+        m3 = om[None, :, None]
+        b3 = ob[None, None, :]
+        mask = (a3 < A) & (m3 < M) & (b3 < B)
+        tile = tl.load(x_ptr + (a3 * M + m3) * B + b3, mask=mask)
+        tl.store(y_ptr + (b3 * M + m3) * A + a3, tile, mask=mask)
+
+
 def _blocks(k: int) -> tuple[int, int, int]:
     """Tile sizes: ``BLOCK_K`` covers ``K`` up to 64; ``BLOCK_A = BLOCK_B`` keeps a tile at 4,096 elements."""
     bk = min(triton.next_power_of_2(max(k, 1)), 64)
@@ -72,15 +98,56 @@ def widened(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _swap_triton(x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+def token_tiles(a: int, b: int, tile: int) -> tuple[int, int, int]:
+    """``(BLOCK_A, BLOCK_M, BLOCK_B)`` of the token-tiled swap (``K = 1``): ``A`` and ``B`` whole up to 128
+    (padded to a power of two), then as many positions ``m`` as keep the tile at about ``tile`` elements."""
+    ba = min(triton.next_power_of_2(max(a, 1)), 128)
+    bb = min(triton.next_power_of_2(max(b, 1)), 128)
+    return ba, max(1, triton.next_power_of_2(max(tile // (ba * bb), 1))), bb
+
+
+TILE_ENV = "COMERA_BTT_SWAP_TILE"
+DEFAULT_TILE = 0  # 0: one position m a program
+
+
+def default_tile() -> int:
+    """The swap's tile when the call names none: ``COMERA_BTT_SWAP_TILE`` (elements; 0: one position ``m`` a
+    program, the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel), else :data:`DEFAULT_TILE`. Read at each call."""
+    text = os.environ.get(TILE_ENV, "").strip()
+    if not text:
+        return DEFAULT_TILE
+    try:
+        tile = int(text)
+    except ValueError:
+        tile = -1
+    if tile < 0:
+        raise ValueError(f"{TILE_ENV}={text!r}: expected a number of elements >= 0 (0: one position a "
+                         f"program; e.g. 16384: a tile of about that many elements)")
+    return tile
+
+
+def _swap_triton(x: torch.Tensor, widen: bool = True, tile: Optional[int] = None,
+                 num_warps: Optional[int] = None) -> torch.Tensor:
+    """The Triton swap of a contiguous ``x``. ``tile`` (elements, e.g. 16384; not given:
+    :func:`default_tile`), where the moved rows are single elements (``K = 1`` after widening): the
+    token-tiled kernel, each program a tile of several positions ``m`` (:func:`token_tiles`); ``0`` (and
+    ``K > 1``): the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel, one ``m`` a program. ``num_warps``: Triton's
+    launch option (its default: 4)."""
+    tile = default_tile() if tile is None else tile
     src = widened(x) if widen else x
     A, M, B, K = src.shape
     y = src.new_empty((B, M, A, K))
     if y.numel() == 0:
         return y.view(x.dtype)
+    launch = {} if num_warps is None else {"num_warps": num_warps}
+    if tile > 0 and K == 1:
+        ba, bm, bb = token_tiles(A, B, tile)
+        grid = (triton.cdiv(A, ba) * triton.cdiv(B, bb) * triton.cdiv(M, bm),)
+        _swap_tokens_kernel[grid](src, y, A, M, B, BLOCK_A=ba, BLOCK_M=bm, BLOCK_B=bb, **launch)
+        return y.view(x.dtype)
     ba, bb, bk = _blocks(K)
     grid = (triton.cdiv(A, ba) * triton.cdiv(B, bb) * M,)
-    _swap_kernel[grid](src, y, A, M, B, K, BLOCK_A=ba, BLOCK_B=bb, BLOCK_K=bk)
+    _swap_kernel[grid](src, y, A, M, B, K, BLOCK_A=ba, BLOCK_B=bb, BLOCK_K=bk, **launch)
     return y.view(x.dtype)
 
 

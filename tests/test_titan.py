@@ -329,6 +329,13 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
             assert isinstance(cg.loss, titan.FusedCrossEntropyLoss.Config) and cg.loss.backward == "exact", name
     assert hasattr(ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_cg"]
                                               ).model_spec.model, "_comera_tt_converter")
+    save_cg = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_save_cg"])
+    assert type(save_cg.activation_checkpoint) is titan.SelectiveAC.Config
+    assert not save_cg.training.disable_cuda_graphs and save_cg.loss.backward == "exact"
+    for name in ("dense_ce_noac_cg", "comera_noac_cg"):  # nothing recomputed
+        noac = ConfigManager().parse_args(["--module", "comera_configs", "--config", f"llama3_2048_{name}"])
+        assert noac.activation_checkpoint is None and not noac.training.disable_cuda_graphs, name
+        assert hasattr(noac.model_spec.model, "_comera_tt_converter") == name.startswith("comera"), name
 
 
 def test_configure_gives_a_captured_step_the_fused_loss_path_it_can_run(caplog):

@@ -19,7 +19,10 @@ Four variants of each model, the same data, schedule and batch:
 * ``llama3_2048_{dense_ce,fused,comera}_cg``: the same with torchtitan's CUDA graph of the forward and
   backward (its default; off in the variants above);
 * ``llama3_2048_comera_save``: ``*_comera`` with ``titan.SelectiveAC``, which saves the comera ops'
-  outputs instead of recomputing them in the backward as torchtitan's own selective checkpointing does.
+  outputs instead of recomputing them in the backward as torchtitan's own selective checkpointing does;
+  ``llama3_2048_comera_save_cg`` the same with the CUDA graph;
+* ``llama3_2048_{dense_ce,comera}_noac_cg``: the CUDA-graph variants without activation checkpointing
+  (nothing recomputed; more memory).
 
 Models: ``llama3_2048_*`` (Llama-3 style, d 2048, 16 layers, 32 heads, 8 KV heads, vocab 32768, seq
 2048; for one GPU) and ``llama3_tiny_*`` (d 64, 2 layers, vocab 256, seq 32; the CPU smoke run, with
@@ -237,6 +240,25 @@ def llama3_2048_comera_save() -> Trainer.Config:
     config = llama3_2048_comera()
     config.activation_checkpoint = titan.SelectiveAC.Config()
     return config
+
+
+def llama3_2048_comera_save_cg() -> Trainer.Config:
+    config = llama3_2048_comera_cg()
+    config.activation_checkpoint = titan.SelectiveAC.Config()
+    return config
+
+
+def _no_ac(config: Trainer.Config) -> Trainer.Config:
+    config.activation_checkpoint = None
+    return config
+
+
+def llama3_2048_dense_ce_noac_cg() -> Trainer.Config:
+    return _no_ac(llama3_2048_dense_ce_cg())
+
+
+def llama3_2048_comera_noac_cg() -> Trainer.Config:
+    return _no_ac(llama3_2048_comera_cg())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,6 +189,75 @@ def test_swap_kernel_matches_the_permute(shape, dtype, widen):
     assert torch.equal(swap_blocks(got, impl="triton", widen=widen), x)  # its own inverse
 
 
+TOKEN_SWAP_SHAPES = [(5, 7, 3, 1), (64, 9, 96, 1), (130, 3, 5, 1), (9, 3, 66, 1), (1, 1, 1, 1), (6, 0, 2, 1),
+                     (4, 5, 3, 2), (3, 6, 2, 4)]
+
+
+@pytest.mark.parametrize("shape", TOKEN_SWAP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tile", [1, 64, 1024, 16384])
+def test_the_token_tiled_swap_matches_the_permute(shape, dtype, tile):
+    """The kernel with tiles of several positions m (interpreter) against permute(2, 1, 0, 3): A and B
+    below, at and above the 128 a tile spans, M not a multiple of the tile's positions, an empty tensor;
+    K = 2 and 4 in fp16 widen to one integer (the token-tiled kernel), fp32 K = 2 to one int64, fp32 K = 4
+    to two (the other kernel). Exact (a copy), and its own inverse."""
+    from comera_compile.kernels.btt_swap import _swap_triton
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = x.permute(2, 1, 0, 3).contiguous()
+    got = _swap_triton(x, True, tile)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(_swap_triton(got, True, tile), x)
+
+
+def test_token_tiles_span_a_and_b_and_fill_the_tile_with_positions():
+    from comera_compile.kernels.btt_swap import token_tiles
+
+    assert token_tiles(64, 64, 16384) == (64, 4, 64)
+    assert token_tiles(64, 96, 16384) == (64, 2, 128)  # B padded to 128: 2 positions fill 16,384
+    assert token_tiles(200, 3, 4096) == (128, 8, 4)  # A beyond 128 takes two tiles; 4,096 / 512 = 8
+    assert token_tiles(64, 64, 1) == (64, 1, 64)  # never fewer than one position
+
+
+def test_the_swap_tile_comes_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
+    """COMERA_BTT_SWAP_TILE picks the kernel at each call (unset: DEFAULT_TILE); the result is the same;
+    a value that is no count of elements raises, naming the variable and what it takes."""
+    from comera_compile.kernels import btt_swap as mod
+
+    monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
+    x = torch.randn(6, 5, 7, 1)
+    want = x.permute(2, 1, 0, 3).contiguous()
+    launched = []
+    for name in ("_swap_kernel", "_swap_tokens_kernel"):
+        kernel = getattr(mod, name)
+        monkeypatch.setattr(mod, name, _Recorder(kernel, name, launched))
+    monkeypatch.delenv(mod.TILE_ENV, raising=False)
+    assert mod.default_tile() == mod.DEFAULT_TILE
+    for value, kernel in (("0", "_swap_kernel"), ("4096", "_swap_tokens_kernel"), (" 256 ", "_swap_tokens_kernel")):
+        monkeypatch.setenv(mod.TILE_ENV, value)
+        launched.clear()
+        assert torch.equal(mod.swap_blocks(x, impl="triton"), want)
+        assert launched == [kernel], value
+    for bad in ("-1", "big", "1.5"):
+        monkeypatch.setenv(mod.TILE_ENV, bad)
+        with pytest.raises(ValueError, match=r"COMERA_BTT_SWAP_TILE=.*expected a number of elements >= 0"):
+            mod.swap_blocks(x, impl="triton")
+
+
+class _Recorder:
+    """A Triton kernel's stand-in that records its launches by name and launches the kernel."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(self.name)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def test_the_widened_view_holds_the_same_bytes():
     """What the kernel moves when it widens: [A, M, B, K] as [A, M, B, K'] of int64 / int32, K' = K x
     itemsize / width; no view where no wider integer divides the row."""
