@@ -243,6 +243,9 @@ CONFIGS.update({
     "w-tt-r32": Config("blocks plain tensor train (fmt 'tt') rank 32: the fastest whole step at d 2048 in "
                        "bench_e2e", W2048 + ("--tensorize", "32", "--fmt", "tt"), lrs=(6e-4,) + FACTORED_LRS),
     "w-btt-r1": Config("blocks btt rank 1 through the package", W2048 + ("--tensorize", "1") + BTT, lrs=W_BTT_LRS),
+    "w-default": Config("the package's defaults: TTConfig() (btt rank 1 at this width) and cc.param_groups' "
+                        "(the cores undecayed)", W2048 + ("--tensorize", "default"), lrs=W_BTT_LRS,
+                        timed_as="w-btt-r1"),
     "w-btt-r2": Config("blocks btt rank 2 through the package", W2048 + ("--tensorize", "2") + BTT, lrs=W_BTT_LRS),
     "w-btt-r4": Config("blocks btt rank 4 through the package", W2048 + ("--tensorize", "4") + BTT, lrs=W_BTT_LRS),
     "w-mix-mlp-btt": Config("MLP btt r1, attention TT-matrix r32", W2048 + (
@@ -300,7 +303,7 @@ GROUPS = {
     # the width study (BENCHMARKS.md, "Time to loss at d 2048"): --lrs grid sweeps each row; the first
     # rows are the decisive ones (dense and btt r1), so a study cut by its deadline has them
     "width2048": ["w-dense", "w-btt-r1", "w-dense-iso", "w-d1024", "w-d1536", "w-ttm-r32", "w-btt-r2", "w-btt-r4",
-                  "w-lowrank-iso", "w-mix-mlp-btt", "w-mix-attn-btt", "w-tt-r32"],
+                  "w-lowrank-iso", "w-mix-mlp-btt", "w-mix-attn-btt", "w-tt-r32", "w-default"],
     "benchmark": ["dense", "dense-iso", "dense-iso-s1", "lowrank-iso", "cola-iso", "btt-iso", "ttm-r32", "tt-all",
                   "adapt-r64"],
     "first": ["dense", "dense-s1", "dense-iso", "defaults", "ttm-r16", "ttm-r32", "ttm-r64", "adapt-r64", "svd-r64",

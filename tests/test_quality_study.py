@@ -456,3 +456,38 @@ def test_gpu_followups_starts_the_width_study_with_its_settings(tmp_path):
     assert args[args.index("--configs") + 1] == "w-btt-r2@0.0024,w-tt-r32@0.0006"
     assert args[args.index("--abandon") + 1] == "0.1" and args[args.index("--concurrency") + 1] == "2"
     assert "width study started" in (tmp_path / "out" / "progress.txt").read_text()
+
+
+def test_the_default_row_is_btt_r1_with_the_packages_optimizer_defaults():
+    """w-default (TTConfig() and cc.param_groups' defaults, what a user who follows the README gets) tensorizes
+    the d 2048 blocks exactly as w-btt-r1 does (format, ranks, modes of every layer), and its optimizer
+    differs only in the cores' weight decay (0 against the study's 0.1): issue 37's target 4 compares the
+    two rows' time to loss."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("train_lm_for_default_row", ROOT / "benchmarks" / "train_lm.py")
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+
+    def build(name):
+        args = train_lm.parse_args(list(study.CONFIGS[name].args) + ["--n-layers", "1", "--seq-len", "32"])
+        torch.manual_seed(0)
+        model = train_lm.GPT(256, 32, args.d_model, args.n_layers, args.n_heads)
+        train_lm.compress(model, args)
+        layers = {lay.fqn: (lay.param.spec.fmt, tuple(lay.param.spec.ranks), tuple(lay.param.spec.row_modes),
+                            tuple(lay.param.spec.col_modes)) for lay in train_lm.cc.iter_tt_layers(model)}
+        opt = train_lm.make_optimizer(model, args, torch.device("cpu"))
+        groups = {g["name"]: (len(g["params"]), g["lr"], g["weight_decay"]) for g in opt.param_groups}
+        return layers, groups, args.lr
+
+    default_layers, default_groups, lr = build("w-default")
+    btt_layers, btt_groups, _ = build("w-btt-r1")
+    assert default_layers == btt_layers and len(default_layers) == 4  # the block's qkv, proj, fc and mlp.proj
+    assert {fmt for fmt, ranks, _, _ in default_layers.values()} == {"btt"}
+    assert all(max(ranks) == 1 for _, ranks, _, _ in default_layers.values())
+    assert default_groups.keys() == btt_groups.keys()
+    for name in default_groups:
+        want = btt_groups[name] if name != "tt_cores" else btt_groups[name][:2] + (0.0,)
+        assert default_groups[name] == pytest.approx(want), name
+    assert btt_groups["tt_cores"][2] == 0.1 and default_groups["tt_gates"][1] == lr
