@@ -14,13 +14,18 @@
 #      variants to run, e.g. those with torchtitan's CUDA graph of the step), PROFILE_PYTHON=1 (host time by
 #      Python function in the profile).
 #
+#   The swap kernel's tiles (bench_swap.py, unless SKIP_SWAP=1) run before the torchtitan demo; TITAN_TILE=N (or
+#   "best": bench_swap's fastest token-tiled tile, when it beats the kernel as it runs now) runs the variants
+#   TITAN_TILE_VARIANTS (default comera_cg) again with COMERA_BTT_SWAP_TILE=N, into $OUT/titan_tileN.
+#
 #   5. then, if WIDTH_RUNS is set, the width study's runs (benchmarks/width_gpu.sh start, in its own
 #      background job in WORK, default /tmp/width): RUNS=$WIDTH_RUNS, and width_gpu.sh's other settings
 #      (TIMING, CONCURRENCY, DEADLINE_S, ABANDON, ...) pass through; collect with `bash
 #      benchmarks/width_gpu.sh poll`. So one lease times the checks above alone, then trains.
 #
 #   [SKIP_TESTS=1] [SKIP_E2E=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43]
-#   [VARIANTS=...] [PROFILE_PYTHON=1] [WIDTH_RUNS=...] bash benchmarks/gpu_followups.sh [OUT_DIR]
+#   [VARIANTS=...] [PROFILE_PYTHON=1] [SKIP_SWAP=1] [TITAN_TILE=N|best] [TITAN_TILE_VARIANTS=...] [WIDTH_RUNS=...]
+#   bash benchmarks/gpu_followups.sh [OUT_DIR]
 #
 # Make BASE with: mkdir -p .ab/base && git archive a9ab1e1 comera_compile passes kernels benchmarks pyproject.toml
 #   | tar -x -C .ab/base     (.ab/ is ignored by git: run(carry=[".whl", ".ab"])).
@@ -59,11 +64,25 @@ if [ -z "${SKIP_CCE:-}" ]; then
     --methods torch.compile,auto,auto-exact,backend > "$out/cce.log" 2>&1
   stamp "bench_cce rc $?"
 fi
+if [ -z "${SKIP_SWAP:-}" ]; then
+  PYTHONPATH=$root timeout 300 python3 benchmarks/bench_swap.py --json "$out/swap.json" > "$out/swap.log" 2>&1
+  stamp "bench_swap rc $?"
+fi
 if [ -d .whl/titan ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/titan_site .whl/titan/*.whl > "$out/titan_install.log" 2>&1
   PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan" DUMP=/tmp/titan_dump STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} timeout 900 \
     bash examples/torchtitan/run_demo.sh > "$out/titan.log" 2>&1
   stamp "titan rc $?"
+  tile=${TITAN_TILE:-}
+  if [ "$tile" = best ]; then  # the token-tiled swap's fastest tile over bench_swap's layers, if it beats the kernel now
+    tile=$(python3 benchmarks/bench_swap.py --best-tile "$out/swap.json" 2>> "$out/swap.log")
+  fi
+  if [ -n "$tile" ] && [ "$tile" != 0 ]; then  # the same variants again with that swap tile
+    COMERA_BTT_SWAP_TILE=$tile PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan_tile$tile" DUMP=/tmp/titan_dump \
+      VARIANTS="${TITAN_TILE_VARIANTS:-comera_cg}" STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} \
+      timeout 600 bash examples/torchtitan/run_demo.sh > "$out/titan_tile.log" 2>&1
+    stamp "titan with COMERA_BTT_SWAP_TILE=$tile rc $?"
+  fi
 fi
 if [ -n "${WIDTH_RUNS:-}" ]; then
   RUNS="$WIDTH_RUNS" POLL_S=0 OUT="$out/width" bash benchmarks/width_gpu.sh start \

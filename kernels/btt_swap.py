@@ -126,13 +126,18 @@ def default_tile() -> int:
     return tile
 
 
+def token_warps(tile: int) -> int:
+    """The token-tiled kernel's warps where the call names none: 4 up to 8,192 elements a tile, 8 above."""
+    return 4 if tile <= 8192 else 8
+
+
 def _swap_triton(x: torch.Tensor, widen: bool = True, tile: Optional[int] = None,
                  num_warps: Optional[int] = None) -> torch.Tensor:
     """The Triton swap of a contiguous ``x``. ``tile`` (elements, e.g. 16384; not given:
     :func:`default_tile`), where the moved rows are single elements (``K = 1`` after widening): the
     token-tiled kernel, each program a tile of several positions ``m`` (:func:`token_tiles`); ``0`` (and
     ``K > 1``): the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel, one ``m`` a program. ``num_warps``: Triton's
-    launch option (its default: 4)."""
+    launch option (default: Triton's 4, and :func:`token_warps` for the token-tiled kernel)."""
     tile = default_tile() if tile is None else tile
     src = widened(x) if widen else x
     A, M, B, K = src.shape
@@ -141,6 +146,7 @@ def _swap_triton(x: torch.Tensor, widen: bool = True, tile: Optional[int] = None
         return y.view(x.dtype)
     launch = {} if num_warps is None else {"num_warps": num_warps}
     if tile > 0 and K == 1:
+        launch.setdefault("num_warps", token_warps(tile))
         ba, bm, bb = token_tiles(A, B, tile)
         grid = (triton.cdiv(A, ba) * triton.cdiv(B, bb) * triton.cdiv(M, bm),)
         _swap_tokens_kernel[grid](src, y, A, M, B, BLOCK_A=ba, BLOCK_M=bm, BLOCK_B=bb, **launch)

@@ -105,6 +105,19 @@ def test_bench_swap_smoke_checks_the_permute_at_each_layers_blocks(capsys):
     assert {r["variant"] for r in rows} == {"permute", "copy"}
 
 
+def test_bench_swap_best_tile_is_the_fastest_token_tiled_variant_that_beats_the_kernel():
+    swap_spec = importlib.util.spec_from_file_location("bench_swap", ROOT / "benchmarks" / "bench_swap.py")
+    swap = importlib.util.module_from_spec(swap_spec)
+    swap_spec.loader.exec_module(swap)
+
+    def rows(**us):  # two swaps each
+        return [{"variant": k.replace("_", "/"), "us": v / 2} for k, v in us.items() for _ in range(2)]
+
+    assert swap.best_tile(rows(triton=100, t8k=90, t16k=80, t16k_w4=10, copy=50)) == 16384  # /w4: not what the env runs
+    assert swap.best_tile(rows(triton=100, t8k=120, t16k=101)) == 0  # none beats the kernel as it runs now
+    assert swap.best_tile(rows(triton=100)) == 0 and swap.best_tile([]) == 0
+
+
 def test_bench_btt_smoke_checks_each_layer_against_float64():
     """benchmarks/bench_btt.py --smoke: a block's four btt layer groups (Q/K/V and gate/up as one op
     each) through comera::btt_blocks, outputs and every gradient against the float64 definition (no

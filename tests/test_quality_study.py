@@ -458,6 +458,45 @@ def test_gpu_followups_starts_the_width_study_with_its_settings(tmp_path):
     assert "width study started" in (tmp_path / "out" / "progress.txt").read_text()
 
 
+def test_gpu_followups_times_the_swap_then_reruns_the_titan_variants_with_the_best_tile(tmp_path):
+    """gpu_followups.sh runs bench_swap.py, the torchtitan demo, and with TITAN_TILE=best the demo again for
+    TITAN_TILE_VARIANTS with COMERA_BTT_SWAP_TILE set to what `bench_swap.py --best-tile` printed (stand-ins
+    for python3 and run_demo.sh record what they were given); with no better tile (0), no second run."""
+    import os
+    import shutil
+    import subprocess
+    tree, fake = tmp_path / "tree", tmp_path / "bin"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "examples" / "torchtitan").mkdir(parents=True)
+    (tree / ".whl" / "titan").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_followups.sh", tree / "benchmarks" / "gpu_followups.sh")
+    calls = tmp_path / "calls.txt"
+    (tree / "examples" / "torchtitan" / "run_demo.sh").write_text(
+        f'echo "run_demo tile=${{COMERA_BTT_SWAP_TILE:-unset}} variants=$VARIANTS out=$OUT" >> {calls}\n')
+    fake.mkdir()
+    (fake / "python3").write_text(f'#!/bin/sh\necho "python3 $*" >> {calls}\n'
+                                  'case "$*" in *--best-tile*) echo "$BEST";; esac\n')
+    (fake / "python3").chmod(0o755)
+    for best, second in (("16384", True), ("0", False)):
+        calls.write_text("")
+        env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SKIP_TESTS="1", SKIP_E2E="1",
+                   SKIP_CCE="1", VARIANTS="dense_ce_cg comera_cg", TITAN_TILE="best",
+                   TITAN_TILE_VARIANTS="comera_cg comera_save_cg", BEST=best)
+        env.pop("WIDTH_RUNS", None)
+        env.pop("COMERA_BTT_SWAP_TILE", None)
+        subprocess.run(["bash", "benchmarks/gpu_followups.sh", str(tmp_path / f"out{best}")], cwd=tree, env=env,
+                       check=True, timeout=120)
+        lines = calls.read_text().splitlines()
+        assert any("bench_swap.py --json" in line for line in lines), lines
+        demos = [line for line in lines if line.startswith("run_demo")]
+        assert demos[0].startswith("run_demo tile=unset variants=dense_ce_cg comera_cg"), demos
+        if second:
+            assert len(demos) == 2 and demos[1].startswith("run_demo tile=16384 variants=comera_cg comera_save_cg")
+            assert demos[1].endswith("titan_tile16384")
+        else:
+            assert len(demos) == 1, demos
+
+
 def test_the_default_row_is_btt_r1_with_the_packages_optimizer_defaults():
     """w-default (TTConfig() and cc.param_groups' defaults, what a user who follows the README gets) tensorizes
     the d 2048 blocks exactly as w-btt-r1 does (format, ranks, modes of every layer), and its optimizer

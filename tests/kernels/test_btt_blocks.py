@@ -218,6 +218,9 @@ def test_token_tiles_span_a_and_b_and_fill_the_tile_with_positions():
     assert token_tiles(64, 96, 16384) == (64, 2, 128)  # B padded to 128: 2 positions fill 16,384
     assert token_tiles(200, 3, 4096) == (128, 8, 4)  # A beyond 128 takes two tiles; 4,096 / 512 = 8
     assert token_tiles(64, 64, 1) == (64, 1, 64)  # never fewer than one position
+    from comera_compile.kernels.btt_swap import token_warps
+
+    assert [token_warps(t) for t in (1024, 8192, 16384, 32768)] == [4, 4, 8, 8]
 
 
 def test_the_swap_tile_comes_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
