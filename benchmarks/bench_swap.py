@@ -2,9 +2,8 @@
 ``permute(2, 1, 0, 3).contiguous()`` and a plain copy of the same bytes (``clone``: what the memory
 allows), bf16, at the shapes of the width sweep's btt layers, on one GPU. ``triton`` is the kernel as
 the blocks path runs it (rank > 1: the K elements of a position moved as one wider integer),
-``narrow`` the same kernel on the bf16 elements themselves, ``t<N>k`` the token-tiled kernel (tiles of about
-N x 1024 elements spanning several positions; what ``COMERA_BTT_SWAP_TILE=N x 1024`` runs), ``/w<W>`` at W
-warps.
+``narrow`` the same kernel on the bf16 elements themselves, ``t<N>KiB`` the token-tiled kernel (tiles of about
+N KiB spanning several positions; what ``COMERA_BTT_SWAP_TILE=N x 1024`` runs), ``/w<W>`` at W warps.
 
     python benchmarks/bench_swap.py                 # d 2048 and d 4096 layers, forward and backward swaps
     python benchmarks/bench_swap.py --json out.json
@@ -39,9 +38,9 @@ from comera_compile.tensorize.parametrization import iter_tt_layers  # noqa: E40
 LAYERS = [(2048, 2048, 1), (2048, 3072, 1), (2048, 6144, 1), (6144, 2048, 1), (2048, 5632, 1), (4096, 4096, 1),
           (4096, 11008, 1), (4096, 4096, 4)]
 SMOKE_LAYERS = [(64, 96, 1), (64, 64, 2)]
-# the token-tiled kernel (COMERA_BTT_SWAP_TILE): tile elements, num_warps (None: the kernel's own choice, what
+# the token-tiled kernel (COMERA_BTT_SWAP_TILE): tile bytes, num_warps (None: the kernel's own choice, what
 # COMERA_BTT_SWAP_TILE runs)
-TILED = [(4096, None), (8192, None), (16384, None), (32768, None), (8192, 8), (16384, 4)]
+TILED = [(8192, None), (16384, None), (32768, None), (65536, None), (16384, 8), (32768, 4)]
 
 
 def btt_spec(d_in: int, d_out: int, rank: int):
@@ -59,17 +58,17 @@ def blocks(d_in: int, d_out: int, rank: int) -> tuple[int, int, int]:
 
 
 def best_tile(rows: list[dict]) -> int:
-    """The tile (elements) of the token-tiled variant at its own warps (``t<N>k``, what ``COMERA_BTT_SWAP_TILE=N``
-    runs) with the least time over all the swaps of ``rows`` (bench_swap's --json), if less than the kernel's
-    as it runs now (``triton``); else 0."""
+    """The tile (bytes) of the token-tiled variant at its own warps (``t<N>KiB``, what
+    ``COMERA_BTT_SWAP_TILE=N x 1024`` runs) with the least time over all the swaps of ``rows`` (bench_swap's
+    --json), if less than the kernel's as it runs now (``triton``); else 0."""
     total: dict[str, float] = {}
     for row in rows:
         total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
-    tiled = {k: v for k, v in total.items() if k[:1] == "t" and k[1:].endswith("k") and k[1:-1].isdigit()}
+    tiled = {k: v for k, v in total.items() if k[:1] == "t" and k.endswith("KiB") and k[1:-3].isdigit()}
     if not tiled or "triton" not in total:
         return 0
     name = min(tiled, key=tiled.get)
-    return int(name[1:name.index("k")]) * 1024 if tiled[name] < total["triton"] else 0
+    return int(name[1:-3]) * 1024 if tiled[name] < total["triton"] else 0
 
 
 def main(argv=None) -> list[dict]:
@@ -79,7 +78,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--best-tile", type=Path, default=None, metavar="JSON",
-                    help="print the tile (elements) of the fastest token-tiled variant in a --json output if it "
+                    help="print the tile (bytes) of the fastest token-tiled variant in a --json output if it "
                          "beats the kernel as it runs now over all its swaps, else 0; then exit")
     args = ap.parse_args(argv)
     if args.best_tile is not None:
@@ -103,7 +102,7 @@ def main(argv=None) -> list[dict]:
                 fns["triton"] = lambda: swap_blocks(x, impl="triton")
                 fns["narrow"] = lambda: swap_blocks(x, impl="triton", widen=False)
                 for tile, warps in TILED:
-                    fns[f"t{tile // 1024}k" + (f"/w{warps}" if warps else "")] = (
+                    fns[f"t{tile // 1024}KiB" + (f"/w{warps}" if warps else "")] = (
                         lambda tile=tile, warps=warps: _swap_triton(x, True, tile, warps))
                 for name in fns:
                     if name not in ("permute", "copy"):

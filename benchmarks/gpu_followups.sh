@@ -14,7 +14,7 @@
 #      variants to run, e.g. those with torchtitan's CUDA graph of the step), PROFILE_PYTHON=1 (host time by
 #      Python function in the profile).
 #
-#   The swap kernel's tiles (bench_swap.py, unless SKIP_SWAP=1) run before the torchtitan demo; TITAN_TILE=N (or
+#   The swap kernel's tiles (bench_swap.py, unless SKIP_SWAP=1) run before the torchtitan demo; TITAN_TILE=N bytes (or
 #   "best": bench_swap's fastest token-tiled tile, when it beats the kernel as it runs now) runs the variants
 #   TITAN_TILE_VARIANTS (default comera_cg) again with COMERA_BTT_SWAP_TILE=N, into $OUT/titan_tileN.
 #

@@ -8,7 +8,7 @@ every element is its own memory transaction. The Triton kernel here copies tiles
 ``[BLOCK_A, BLOCK_B, BLOCK_K]``: each load reads rows of ``BLOCK_B * K`` contiguous elements and each
 store writes rows of ``BLOCK_A * K``, the transpose done on chip, so both sides are coalesced. Where the
 moved rows are single elements (rank 1, or ranks whose ``K`` elements widen to one integer), a second
-kernel takes tiles of several consecutive positions ``m`` (``COMERA_BTT_SWAP_TILE``, :func:`default_tile`),
+kernel takes tiles of several consecutive positions ``m`` (``COMERA_BTT_SWAP_TILE`` bytes, :func:`default_tile`),
 so that its loads and stores run over ``BLOCK_M * B`` and ``BLOCK_M * A`` contiguous elements.
 
 The op is its own inverse (with ``A`` and ``B`` exchanged), so its backward is the same op on the
@@ -98,12 +98,13 @@ def widened(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def token_tiles(a: int, b: int, tile: int) -> tuple[int, int, int]:
+def token_tiles(a: int, b: int, tile: int, itemsize: int = 2) -> tuple[int, int, int]:
     """``(BLOCK_A, BLOCK_M, BLOCK_B)`` of the token-tiled swap (``K = 1``): ``A`` and ``B`` whole up to 128
-    (padded to a power of two), then as many positions ``m`` as keep the tile at about ``tile`` elements."""
+    (padded to a power of two), then as many positions ``m`` as keep the tile at about ``tile`` bytes of
+    ``itemsize``-byte elements."""
     ba = min(triton.next_power_of_2(max(a, 1)), 128)
     bb = min(triton.next_power_of_2(max(b, 1)), 128)
-    return ba, max(1, triton.next_power_of_2(max(tile // (ba * bb), 1))), bb
+    return ba, max(1, triton.next_power_of_2(max(tile // (itemsize * ba * bb), 1))), bb
 
 
 TILE_ENV = "COMERA_BTT_SWAP_TILE"
@@ -111,7 +112,7 @@ DEFAULT_TILE = 0  # 0: one position m a program
 
 
 def default_tile() -> int:
-    """The swap's tile when the call names none: ``COMERA_BTT_SWAP_TILE`` (elements; 0: one position ``m`` a
+    """The swap's tile when the call names none: ``COMERA_BTT_SWAP_TILE`` (bytes; 0: one position ``m`` a
     program, the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel), else :data:`DEFAULT_TILE`. Read at each call."""
     text = os.environ.get(TILE_ENV, "").strip()
     if not text:
@@ -121,19 +122,19 @@ def default_tile() -> int:
     except ValueError:
         tile = -1
     if tile < 0:
-        raise ValueError(f"{TILE_ENV}={text!r}: expected a number of elements >= 0 (0: one position a "
-                         f"program; e.g. 16384: a tile of about that many elements)")
+        raise ValueError(f"{TILE_ENV}={text!r}: expected a number of bytes >= 0 (0: one position a "
+                         f"program; e.g. 32768: tiles of about that many bytes)")
     return tile
 
 
 def token_warps(tile: int) -> int:
-    """The token-tiled kernel's warps where the call names none: 4 up to 8,192 elements a tile, 8 above."""
-    return 4 if tile <= 8192 else 8
+    """The token-tiled kernel's warps where the call names none: 4 up to 16 KiB a tile, 8 above."""
+    return 4 if tile <= 16384 else 8
 
 
 def _swap_triton(x: torch.Tensor, widen: bool = True, tile: Optional[int] = None,
                  num_warps: Optional[int] = None) -> torch.Tensor:
-    """The Triton swap of a contiguous ``x``. ``tile`` (elements, e.g. 16384; not given:
+    """The Triton swap of a contiguous ``x``. ``tile`` (bytes, e.g. 32768; not given:
     :func:`default_tile`), where the moved rows are single elements (``K = 1`` after widening): the
     token-tiled kernel, each program a tile of several positions ``m`` (:func:`token_tiles`); ``0`` (and
     ``K > 1``): the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel, one ``m`` a program. ``num_warps``: Triton's
@@ -147,7 +148,7 @@ def _swap_triton(x: torch.Tensor, widen: bool = True, tile: Optional[int] = None
     launch = {} if num_warps is None else {"num_warps": num_warps}
     if tile > 0 and K == 1:
         launch.setdefault("num_warps", token_warps(tile))
-        ba, bm, bb = token_tiles(A, B, tile)
+        ba, bm, bb = token_tiles(A, B, tile, src.element_size())
         grid = (triton.cdiv(A, ba) * triton.cdiv(B, bb) * triton.cdiv(M, bm),)
         _swap_tokens_kernel[grid](src, y, A, M, B, BLOCK_A=ba, BLOCK_M=bm, BLOCK_B=bb, **launch)
         return y.view(x.dtype)

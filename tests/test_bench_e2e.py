@@ -113,8 +113,8 @@ def test_bench_swap_best_tile_is_the_fastest_token_tiled_variant_that_beats_the_
     def rows(**us):  # two swaps each
         return [{"variant": k.replace("_", "/"), "us": v / 2} for k, v in us.items() for _ in range(2)]
 
-    assert swap.best_tile(rows(triton=100, t8k=90, t16k=80, t16k_w4=10, copy=50)) == 16384  # /w4: not what the env runs
-    assert swap.best_tile(rows(triton=100, t8k=120, t16k=101)) == 0  # none beats the kernel as it runs now
+    assert swap.best_tile(rows(triton=100, t8KiB=90, t32KiB=80, t32KiB_w4=10, copy=50)) == 32768  # /w4: not the env's
+    assert swap.best_tile(rows(triton=100, t8KiB=120, t16KiB=101)) == 0  # none beats the kernel as it runs now
     assert swap.best_tile(rows(triton=100)) == 0 and swap.best_tile([]) == 0
 
 

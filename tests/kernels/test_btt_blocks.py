@@ -195,7 +195,7 @@ TOKEN_SWAP_SHAPES = [(5, 7, 3, 1), (64, 9, 96, 1), (130, 3, 5, 1), (9, 3, 66, 1)
 
 @pytest.mark.parametrize("shape", TOKEN_SWAP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tile", [1, 64, 1024, 16384])
+@pytest.mark.parametrize("tile", [1, 128, 2048, 32768])
 def test_the_token_tiled_swap_matches_the_permute(shape, dtype, tile):
     """The kernel with tiles of several positions m (interpreter) against permute(2, 1, 0, 3): A and B
     below, at and above the 128 a tile spans, M not a multiple of the tile's positions, an empty tensor;
@@ -214,18 +214,19 @@ def test_the_token_tiled_swap_matches_the_permute(shape, dtype, tile):
 def test_token_tiles_span_a_and_b_and_fill_the_tile_with_positions():
     from comera_compile.kernels.btt_swap import token_tiles
 
-    assert token_tiles(64, 64, 16384) == (64, 4, 64)
-    assert token_tiles(64, 96, 16384) == (64, 2, 128)  # B padded to 128: 2 positions fill 16,384
-    assert token_tiles(200, 3, 4096) == (128, 8, 4)  # A beyond 128 takes two tiles; 4,096 / 512 = 8
+    assert token_tiles(64, 64, 32768) == (64, 4, 64)  # bf16: 4 x 64 x 64 x 2 bytes
+    assert token_tiles(64, 96, 32768) == (64, 2, 128)  # B padded to 128: 2 positions fill 32 KiB
+    assert token_tiles(64, 64, 32768, itemsize=8) == (64, 1, 64)  # rank 4 widened to int64: one position
+    assert token_tiles(200, 3, 8192) == (128, 8, 4)  # A beyond 128 takes two tiles; 8,192 / (2 x 512) = 8
     assert token_tiles(64, 64, 1) == (64, 1, 64)  # never fewer than one position
     from comera_compile.kernels.btt_swap import token_warps
 
-    assert [token_warps(t) for t in (1024, 8192, 16384, 32768)] == [4, 4, 8, 8]
+    assert [token_warps(t) for t in (2048, 16384, 32768, 65536)] == [4, 4, 8, 8]
 
 
 def test_the_swap_tile_comes_from_the_environment_and_a_bad_value_names_the_variable(monkeypatch):
-    """COMERA_BTT_SWAP_TILE picks the kernel at each call (unset: DEFAULT_TILE); the result is the same;
-    a value that is no count of elements raises, naming the variable and what it takes."""
+    """COMERA_BTT_SWAP_TILE (bytes) picks the kernel at each call (unset: DEFAULT_TILE); the result is the same;
+    a value that is no count of bytes raises, naming the variable and what it takes."""
     from comera_compile.kernels import btt_swap as mod
 
     monkeypatch.setenv("COMERA_FORCE_TRITON", "1")
@@ -237,14 +238,14 @@ def test_the_swap_tile_comes_from_the_environment_and_a_bad_value_names_the_vari
         monkeypatch.setattr(mod, name, _Recorder(kernel, name, launched))
     monkeypatch.delenv(mod.TILE_ENV, raising=False)
     assert mod.default_tile() == mod.DEFAULT_TILE
-    for value, kernel in (("0", "_swap_kernel"), ("4096", "_swap_tokens_kernel"), (" 256 ", "_swap_tokens_kernel")):
+    for value, kernel in (("0", "_swap_kernel"), ("8192", "_swap_tokens_kernel"), (" 256 ", "_swap_tokens_kernel")):
         monkeypatch.setenv(mod.TILE_ENV, value)
         launched.clear()
         assert torch.equal(mod.swap_blocks(x, impl="triton"), want)
         assert launched == [kernel], value
     for bad in ("-1", "big", "1.5"):
         monkeypatch.setenv(mod.TILE_ENV, bad)
-        with pytest.raises(ValueError, match=r"COMERA_BTT_SWAP_TILE=.*expected a number of elements >= 0"):
+        with pytest.raises(ValueError, match=r"COMERA_BTT_SWAP_TILE=.*expected a number of bytes >= 0"):
             mod.swap_blocks(x, impl="triton")
 
 
