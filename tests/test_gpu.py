@@ -116,12 +116,16 @@ def test_gpt_bf16_autocast_cce_on_gpu():
 @pytest.mark.parametrize("shape", [(8192, 1, 64, 64), (64, 4096, 64, 1), (64, 2048, 128, 4), (86, 1, 4096, 128),
                                    (3, 5, 7, 70)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_btt_swap_kernel_is_the_permute_on_gpu(shape, dtype):
-    from comera_compile.kernels.btt_swap import swap_blocks
+@pytest.mark.parametrize("tile", [0, 32768, 65536])
+def test_btt_swap_kernel_is_the_permute_on_gpu(shape, dtype, tile):
+    """Both kernels: one position a program (tile 0) and the token-tiled one (COMERA_BTT_SWAP_TILE)."""
+    from comera_compile.kernels.btt_swap import _swap_triton, swap_blocks
 
     x = torch.randn(*shape, device="cuda").to(dtype)
-    got = swap_blocks(x, impl="triton")
-    assert torch.equal(got, x.permute(2, 1, 0, 3).contiguous())
+    want = x.permute(2, 1, 0, 3).contiguous()
+    assert torch.equal(_swap_triton(x, True, tile), want)
+    if tile == 0:
+        assert torch.equal(swap_blocks(x, impl="triton"), want)
 
 
 def _rel(a, b):
