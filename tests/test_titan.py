@@ -545,6 +545,38 @@ def test_the_synthetic_stream_follows_its_rule_token_by_token_and_resumes():
     assert torch.equal(inputs["input"], got[2][0]["input"]) and torch.equal(labels, got[2][1])
 
 
+def test_the_synthetic_loader_draws_the_same_batches_in_a_worker_and_resumes_there():
+    """num_workers=1 (the d 2048 configs): the batches of the training process's own loop, and a loader
+    resumed from a worker loader's state continues with the same batches; more workers would repeat the
+    stream, so they are refused."""
+    def make(workers):
+        config = comera_configs.SyntheticDataLoader.Config(vocab_size=50, num_workers=workers,
+                                                           persistent_workers=workers > 0)
+        return comera_configs.SyntheticDataLoader(config, dp_world_size=1, dp_rank=0, seq_len=64,
+                                                  local_batch_size=2)
+
+    it = iter(make(0))
+    want = [next(it) for _ in range(4)]
+    loader = make(1)
+    assert loader.num_workers == 1
+    it = iter(loader)
+    got = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    got += [next(it) for _ in range(2)]
+    resumed = make(1)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    got += [next(it) for _ in range(2)]
+    for (w_in, w_lab), (g_in, g_lab) in zip(want + want[2:], got):
+        assert torch.equal(w_in["input"], g_in["input"]) and torch.equal(w_lab, g_lab)
+    with pytest.raises(ValueError, match="num_workers=2; the stream is one sequence of samples per rank"):
+        make(2)
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_cg"])
+    assert config.dataloader.num_workers == 1 and config.validator.dataloader.num_workers == 0
+
+
 def test_the_launchers_device_busy_time_leaves_out_annotations():
     """examples/torchtitan/launch.py --profile-steps: a step's device busy time and kernel count sum the
     device events but not the user annotations on the device timeline (the optimizer's step, FSDP's
