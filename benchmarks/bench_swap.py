@@ -57,13 +57,19 @@ def blocks(d_in: int, d_out: int, rank: int) -> tuple[int, int, int]:
     return spec.row_modes[0], spec.col_modes[0], spec.ranks[1]
 
 
+def totals(rows: list[dict]) -> dict[str, float]:
+    """Each variant's time (us) summed over the swaps of ``rows``."""
+    total: dict[str, float] = {}
+    for row in rows:
+        total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
+    return total
+
+
 def best_tile(rows: list[dict]) -> int:
     """The tile (bytes) of the token-tiled variant at its own warps (``t<N>KiB``, what
     ``COMERA_BTT_SWAP_TILE=N x 1024`` runs) with the least time over all the swaps of ``rows`` (bench_swap's
     --json), if less than the kernel's as it runs now (``triton``); else 0."""
-    total: dict[str, float] = {}
-    for row in rows:
-        total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
+    total = totals(rows)
     tiled = {k: v for k, v in total.items() if k[:1] == "t" and k.endswith("KiB") and k[1:-3].isdigit()}
     if not tiled or "triton" not in total:
         return 0
@@ -119,9 +125,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{f'{d_in} -> {d_out}, r{rank}':>22} {which:>4} {str(list(shape)):>22} {variant:>8} "
                       f"{us:8.1f} {row['tb_s'] or float('nan'):6.2f} {row['x_copy'] or float('nan'):7.2f}")
     if not smoke:  # each variant's time over all the swaps above, against the kernel as it runs now
-        total = {}
-        for row in rows:
-            total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
+        total = totals(rows)
         print("all swaps above: " + ", ".join(f"{k} {v:.0f} us ({v / total['triton']:.2f}x)"
                                              for k, v in sorted(total.items(), key=lambda kv: kv[1])))
     if args.json:
