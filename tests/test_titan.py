@@ -589,6 +589,11 @@ def test_the_launchers_device_busy_time_leaves_out_annotations():
               SimpleNamespace(device_type=cuda, self_device_time_total=390.0, count=1, is_user_annotation=True),
               SimpleNamespace(device_type=cpu, self_device_time_total=50.0, count=9, is_user_annotation=False)]
     assert launch._device_totals(events) == (420.0, 5)
+    for e, key in zip(events, ("gemm", "copy", "annotation", "host")):
+        e.key = key
+    rows = launch._kernels_by_count(events, steps=1)
+    assert len(rows) == 2 and rows[0].endswith("  gemm") and rows[1].endswith("  copy")  # by launches
+    assert rows[0].split()[:4] == ["3.0", "x", "100.0", "us"] and "0.30 ms" in rows[0]
 
 
 @pytest.mark.parametrize("argv, message", [

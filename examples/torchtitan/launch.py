@@ -171,16 +171,29 @@ def _timing_lines() -> None:
     MetricsProcessor._build_metric_logger = _build_metric_logger
 
 
-def _device_totals(events) -> tuple[float, int]:
-    """The device time (us) and the number of device events in a profile's ``key_averages()``, without the
-    user annotations on the device timeline ("Optimizer.step#AdamW.step", "FSDP::pre_backward (...)"): each
-    spans kernels that are counted already, so with them a step's busy time counts those kernels twice (as
-    torch's own table totals, which leave them out too)."""
+def _device_events(events) -> list:
+    """The device events of a profile's ``key_averages()`` (kernels, copies, sets), without the user
+    annotations on the device timeline ("Optimizer.step#AdamW.step", "FSDP::pre_backward (...)"): each
+    spans kernels that are counted already (torch's own table totals leave them out too)."""
     import torch
 
-    device = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-              and not getattr(e, "is_user_annotation", False)]
+    return [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False)]
+
+
+def _device_totals(events) -> tuple[float, int]:
+    """The device time (us) and the number of device events (:func:`_device_events`): with the annotations, a
+    step's busy time would count their kernels twice."""
+    device = _device_events(events)
     return sum(getattr(e, "self_device_time_total", 0) for e in device), sum(e.count for e in device)
+
+
+def _kernels_by_count(events, steps: int, top: int = 40) -> list[str]:
+    """The ``top`` device events by launches per step: launches, microseconds a launch, milliseconds a step
+    and the whole name (where a step's extra kernels come from)."""
+    rows = sorted(_device_events(events), key=lambda e: (-e.count, e.key))[:top]
+    return [f"{e.count / steps:7.1f} x {e.self_device_time_total / max(e.count, 1):8.1f} us = "
+            f"{e.self_device_time_total / 1e3 / steps:7.2f} ms  {e.key}" for e in rows]
 
 
 def _with_python_functions(prof):
@@ -235,6 +248,9 @@ def _profile_steps(first: int, end: int, python: bool = False) -> None:
                   f"{kernels / (end - first):.0f} kernels per step", flush=True)
             for line in events.table(sort_by=sort, row_limit=30).splitlines():
                 print(f"launch.py profile: {line}", flush=True)
+            if cuda:
+                for line in _kernels_by_count(events, end - first):
+                    print(f"launch.py kernels: {line}", flush=True)
             if python:
                 for line in _with_python_functions(prof).table(sort_by="self_cpu_time_total", row_limit=60,
                                                                max_name_column_width=90
