@@ -14,9 +14,11 @@
 #      variants to run, e.g. those with torchtitan's CUDA graph of the step), PROFILE_PYTHON=1 (host time by
 #      Python function in the profile).
 #
-#   The swap kernel's tiles (bench_swap.py, unless SKIP_SWAP=1) run before the torchtitan demo; TITAN_TILE=N bytes (or
-#   "best": bench_swap's fastest token-tiled tile, when it beats the kernel as it runs now) runs the variants
-#   TITAN_TILE_VARIANTS (default comera_cg) again with COMERA_BTT_SWAP_TILE=N, into $OUT/titan_tileN.
+#   The swap kernel's tiles (bench_swap.py, unless SKIP_SWAP=1) run before the torchtitan demo. TITAN_AB runs
+#   variants again under environment settings, one run_demo.sh each, into $OUT/titan_ab1, _ab2, ...:
+#   TITAN_AB="COMERA_BTT_SWAP_TILE=best:comera_cg;COMERA_BTT_KEEP=8,COMERA_BTT_SWAP_TILE=best:comera_cg"
+#   (entries split by ';', settings by ','; COMERA_BTT_SWAP_TILE=best: bench_swap's fastest token-tiled tile,
+#   0 where none beats the kernel as it runs now).
 #
 #   5. then, if WIDTH_RUNS is set, the width study's runs (benchmarks/width_gpu.sh start, in its own
 #      background job in WORK, default /tmp/width): RUNS=$WIDTH_RUNS, and width_gpu.sh's other settings
@@ -24,7 +26,7 @@
 #      benchmarks/width_gpu.sh poll`. So one lease times the checks above alone, then trains.
 #
 #   [SKIP_TESTS=1] [SKIP_E2E=1] [SKIP_CCE=1] [BASE=.ab/base] [TITAN_STEPS=300] [TITAN_PROFILE=40:43]
-#   [VARIANTS=...] [PROFILE_PYTHON=1] [SKIP_SWAP=1] [TITAN_TILE=N|best] [TITAN_TILE_VARIANTS=...] [WIDTH_RUNS=...]
+#   [VARIANTS=...] [PROFILE_PYTHON=1] [SKIP_SWAP=1] [TITAN_AB="ENV=V,...:variants;..."] [WIDTH_RUNS=...]
 #   bash benchmarks/gpu_followups.sh [OUT_DIR]
 #
 # Make BASE with: mkdir -p .ab/base && git archive a9ab1e1 comera_compile passes kernels benchmarks pyproject.toml
@@ -73,16 +75,25 @@ if [ -d .whl/titan ]; then
   PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan" DUMP=/tmp/titan_dump STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} timeout 900 \
     bash examples/torchtitan/run_demo.sh > "$out/titan.log" 2>&1
   stamp "titan rc $?"
-  tile=${TITAN_TILE:-}
-  if [ "$tile" = best ]; then  # the token-tiled swap's fastest tile over bench_swap's layers, if it beats the kernel now
-    tile=$(python3 benchmarks/bench_swap.py --best-tile "$out/swap.json" 2>> "$out/swap.log")
-  fi
-  if [ -n "$tile" ] && [ "$tile" != 0 ]; then  # the same variants again with that swap tile
-    COMERA_BTT_SWAP_TILE=$tile PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan_tile$tile" DUMP=/tmp/titan_dump \
-      VARIANTS="${TITAN_TILE_VARIANTS:-comera_cg}" STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} \
-      timeout 600 bash examples/torchtitan/run_demo.sh > "$out/titan_tile.log" 2>&1
-    stamp "titan with COMERA_BTT_SWAP_TILE=$tile rc $?"
-  fi
+  i=0
+  IFS=';' read -ra ab_runs <<< "${TITAN_AB:-}"
+  for spec in "${ab_runs[@]}"; do  # "NAME=VALUE,NAME=VALUE:variant variant": the variants again with that env
+    [ -n "${spec// /}" ] || continue
+    i=$((i + 1))
+    settings=() variants=${spec#*:}
+    IFS=',' read -ra pairs <<< "${spec%%:*}"
+    for pair in "${pairs[@]}"; do
+      if [ "$pair" = COMERA_BTT_SWAP_TILE=best ]; then  # bench_swap's fastest token-tiled tile (0: none beat it)
+        pair=COMERA_BTT_SWAP_TILE=$(python3 benchmarks/bench_swap.py --best-tile "$out/swap.json" 2>> "$out/swap.log")
+      fi
+      settings+=("$pair")
+    done
+    echo "${settings[*]}: $variants" > "$out/titan_ab$i.txt"
+    env "${settings[@]}" PYTHONPATH=$root SITE=/tmp/titan_site OUT="$out/titan_ab$i" DUMP=/tmp/titan_dump \
+      VARIANTS="$variants" STEPS=${TITAN_STEPS:-300} PROFILE=${TITAN_PROFILE:-40:43} timeout 600 \
+      bash examples/torchtitan/run_demo.sh > "$out/titan_ab$i.log" 2>&1
+    stamp "titan A/B $i (${settings[*]}: $variants) rc $?"
+  done
 fi
 if [ -n "${WIDTH_RUNS:-}" ]; then
   RUNS="$WIDTH_RUNS" POLL_S=0 OUT="$out/width" bash benchmarks/width_gpu.sh start \

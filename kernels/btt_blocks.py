@@ -7,8 +7,8 @@ token-major output in place (strided batches, no copy); between them the interme
 becomes ``[C, n, b1, r]`` through :func:`~comera_compile.kernels.btt_swap.swap_blocks` (the op
 ``comera::btt_swap``, in its own module). Layers that read one input run as one call, their first cores
 concatenated along the column blocks, each output its own tensor. The backward saves only what the
-gradients asked for read; the intermediate is kept while it is no larger than the input and recomputed
-otherwise.
+gradients asked for read; the intermediate is kept while it is no larger than the input (times
+``COMERA_BTT_KEEP``, default 1: :func:`keep_ratio`) and recomputed otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
+import os
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -23,7 +25,28 @@ import torch
 from comera_compile._scope import scoped
 from comera_compile.kernels.btt_swap import swap_blocks
 
-__all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "current_impl", "use_impl"]
+__all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "current_impl", "keep_ratio", "use_impl"]
+
+KEEP_ENV = "COMERA_BTT_KEEP"
+DEFAULT_KEEP = 1.0
+
+
+def keep_ratio() -> float:
+    """How large an intermediate the op keeps for its backward, as a multiple of its input's entries:
+    ``COMERA_BTT_KEEP`` (a number >= 0, or ``inf``: always; ``0``: never), else :data:`DEFAULT_KEEP` (1: no
+    activation larger than the input is saved). Read where the op's autograd is set up: at each call in
+    eager mode, when the graph is traced under ``torch.compile``."""
+    text = os.environ.get(KEEP_ENV, "").strip()
+    if not text:
+        return DEFAULT_KEEP
+    try:
+        ratio = float(text)
+    except ValueError:
+        ratio = -1.0
+    if not ratio >= 0:
+        raise ValueError(f"{KEEP_ENV}={text!r}: expected a number >= 0 (the kept intermediate's size as a "
+                         f"multiple of the input's; 0: never kept, inf: always)")
+    return ratio
 
 
 def _blocks_forward(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor], r: int):
@@ -154,11 +177,13 @@ def _blocks_setup(ctx, inputs, output) -> None:
     the intermediate for the second cores'. The intermediate has C r / b2 times the input's entries:
     kept while no larger than the input (rank 1 with C <= b2), else recomputed in the backward from
     ``x`` and the first core (one batched GEMM and one swap), so that a rank-r layer saves no r-times-
-    larger activation. The second cores are saved whenever any gradient is asked for."""
+    larger activation (``COMERA_BTT_KEEP`` moves the bound: :func:`keep_ratio`). The second cores are saved
+    whenever any gradient is asked for."""
     x, first, seconds, r = inputs
     ts = output[-1]
     ctx.r, ctx.n = r, x.shape[0]
-    ctx.keep = ts.numel() <= x.numel()
+    ratio = keep_ratio()
+    ctx.keep = math.isinf(ratio) or ts.numel() <= ratio * x.numel()
     want_x, want_first, want_seconds = x.requires_grad, first.requires_grad, any(s.requires_grad for s in seconds)
     recompute = want_seconds and not ctx.keep
     ctx.save_for_backward(x if want_first or recompute else None, ts if want_seconds and ctx.keep else None,

@@ -458,10 +458,10 @@ def test_gpu_followups_starts_the_width_study_with_its_settings(tmp_path):
     assert "width study started" in (tmp_path / "out" / "progress.txt").read_text()
 
 
-def test_gpu_followups_times_the_swap_then_reruns_the_titan_variants_with_the_best_tile(tmp_path):
-    """gpu_followups.sh runs bench_swap.py, the torchtitan demo, and with TITAN_TILE=best the demo again for
-    TITAN_TILE_VARIANTS with COMERA_BTT_SWAP_TILE set to what `bench_swap.py --best-tile` printed (stand-ins
-    for python3 and run_demo.sh record what they were given); with no better tile (0), no second run."""
+def test_gpu_followups_times_the_swap_then_reruns_titan_variants_under_each_ab_setting(tmp_path):
+    """gpu_followups.sh runs bench_swap.py, the torchtitan demo, then one demo per TITAN_AB entry with its
+    environment settings and variants; COMERA_BTT_SWAP_TILE=best becomes what `bench_swap.py --best-tile`
+    printed (stand-ins for python3 and run_demo.sh record what they were given)."""
     import os
     import shutil
     import subprocess
@@ -472,29 +472,28 @@ def test_gpu_followups_times_the_swap_then_reruns_the_titan_variants_with_the_be
     shutil.copy(ROOT / "benchmarks" / "gpu_followups.sh", tree / "benchmarks" / "gpu_followups.sh")
     calls = tmp_path / "calls.txt"
     (tree / "examples" / "torchtitan" / "run_demo.sh").write_text(
-        f'echo "run_demo tile=${{COMERA_BTT_SWAP_TILE:-unset}} variants=$VARIANTS out=$OUT" >> {calls}\n')
+        f'echo "run_demo tile=${{COMERA_BTT_SWAP_TILE:-unset}} keep=${{COMERA_BTT_KEEP:-unset}} '
+        f'variants=$VARIANTS out=$OUT" >> {calls}\n')
     fake.mkdir()
     (fake / "python3").write_text(f'#!/bin/sh\necho "python3 $*" >> {calls}\n'
-                                  'case "$*" in *--best-tile*) echo "$BEST";; esac\n')
+                                  'case "$*" in *--best-tile*) echo 32768;; esac\n')
     (fake / "python3").chmod(0o755)
-    for best, second in (("16384", True), ("0", False)):
-        calls.write_text("")
-        env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SKIP_TESTS="1", SKIP_E2E="1",
-                   SKIP_CCE="1", VARIANTS="dense_ce_cg comera_cg", TITAN_TILE="best",
-                   TITAN_TILE_VARIANTS="comera_cg comera_save_cg", BEST=best)
-        env.pop("WIDTH_RUNS", None)
-        env.pop("COMERA_BTT_SWAP_TILE", None)
-        subprocess.run(["bash", "benchmarks/gpu_followups.sh", str(tmp_path / f"out{best}")], cwd=tree, env=env,
-                       check=True, timeout=120)
-        lines = calls.read_text().splitlines()
-        assert any("bench_swap.py --json" in line for line in lines), lines
-        demos = [line for line in lines if line.startswith("run_demo")]
-        assert demos[0].startswith("run_demo tile=unset variants=dense_ce_cg comera_cg"), demos
-        if second:
-            assert len(demos) == 2 and demos[1].startswith("run_demo tile=16384 variants=comera_cg comera_save_cg")
-            assert demos[1].endswith("titan_tile16384")
-        else:
-            assert len(demos) == 1, demos
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SKIP_TESTS="1", SKIP_E2E="1",
+               SKIP_CCE="1", VARIANTS="dense_ce_cg comera_cg",
+               TITAN_AB="COMERA_BTT_SWAP_TILE=best:comera_cg;COMERA_BTT_KEEP=8,COMERA_BTT_SWAP_TILE=0:comera_cg "
+                        "comera_noac_cg;")
+    for name in ("WIDTH_RUNS", "COMERA_BTT_SWAP_TILE", "COMERA_BTT_KEEP"):
+        env.pop(name, None)
+    subprocess.run(["bash", "benchmarks/gpu_followups.sh", str(tmp_path / "out")], cwd=tree, env=env, check=True,
+                   timeout=120)
+    lines = calls.read_text().splitlines()
+    assert any("bench_swap.py --json" in line for line in lines), lines
+    demos = [line for line in lines if line.startswith("run_demo")]
+    assert demos == [
+        f"run_demo tile=unset keep=unset variants=dense_ce_cg comera_cg out={tmp_path}/out/titan",
+        f"run_demo tile=32768 keep=unset variants=comera_cg out={tmp_path}/out/titan_ab1",
+        f"run_demo tile=0 keep=8 variants=comera_cg comera_noac_cg out={tmp_path}/out/titan_ab2"], demos
+    assert (tmp_path / "out" / "titan_ab1.txt").read_text().strip() == "COMERA_BTT_SWAP_TILE=32768: comera_cg"
 
 
 def test_the_default_row_is_btt_r1_with_the_packages_optimizer_defaults():

@@ -376,6 +376,36 @@ def test_blocks_keep_the_intermediate_only_while_it_is_no_larger_than_the_input(
     assert x.grad is not None and x.grad.shape == x.shape
 
 
+@pytest.mark.parametrize("env, r, kept", [("4", 4, True), ("3.9", 4, False), ("inf", 4, True), ("0", 1, False),
+                                          (" 1 ", 1, True)])
+def test_comera_btt_keep_moves_the_bound_of_the_kept_intermediate(monkeypatch, env, r, kept):
+    """COMERA_BTT_KEEP: the intermediate (here r x the input's entries) is kept while no larger than that
+    multiple of the input, recomputed otherwise, and the gradients match the float64 reference either way;
+    a value that is no number >= 0 raises, naming the variable."""
+    from comera_compile.kernels.btt_blocks import keep_ratio
+
+    monkeypatch.setenv("COMERA_BTT_KEEP", env)
+    b1, b2, n, c = 4, 8, 16, 8  # the intermediate [c, n, b1 r] has r x the input's n b1 b2 entries
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(n, b1 * b2, generator=gen, dtype=torch.float64, requires_grad=True)
+    first = torch.randn(b1, b2, c * r, generator=gen, dtype=torch.float64, requires_grad=True)
+    second = torch.randn(c, b1 * r, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, ts = torch.ops.comera.btt_blocks(x, first, [second], r)
+    assert ts.numel() == r * x.numel()
+    assert any(t is ts for t in saved) == kept
+    ref = [t.detach().clone().requires_grad_() for t in (x, first, second)]
+    (want,) = _blocks_reference(ref[0], ref[1], ref[2:], r)
+    dy = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    for g, w in zip(torch.autograd.grad(y, (x, first, second), dy), torch.autograd.grad(want, ref, dy)):
+        torch.testing.assert_close(g, w)
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv("COMERA_BTT_KEEP", bad)
+        with pytest.raises(ValueError, match=r"COMERA_BTT_KEEP=.*expected a number >= 0"):
+            keep_ratio()
+
+
 @pytest.mark.parametrize("transpose_out", [False, True], ids=["dense", "dense_t"])
 def test_group_weights_of_btt_layers_match_the_block_by_block_reference(transpose_out):
     """group_outputs for K btt layers of one structure (one batched product) against each layer's matrix
