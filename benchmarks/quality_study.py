@@ -87,6 +87,8 @@ class Config:
     put its best.
     ``timed_as``: the configuration whose ``--timing`` step time this one shares (the same model and step:
     another seed or warm-up).
+    ``env``: environment settings of the run's process (e.g. ``COMERA_BTT_KEEP``), written at the head of
+    its log with the command.
     """
 
     doc: str
@@ -99,6 +101,7 @@ class Config:
     steps_scale: float = 1.0
     lrs: tuple[float, ...] = ()
     timed_as: str | None = None
+    env: dict = field(default_factory=dict)
 
 
 TTM = ("--fmt", "ttm")
@@ -260,6 +263,11 @@ for _name in ("w-dense", "w-d1536"):
     CONFIGS[f"{_name}-warm20"] = replace(CONFIGS[_name], doc=f"{_name} with a warm-up of 20 % of the steps",
                                          args=CONFIGS[_name].args + ("--warmup-steps", "{steps/5}"),
                                          timed_as=_name)
+# btt r1 with every layer's intermediate kept for the backward (COMERA_BTT_KEEP=inf; by default those larger
+# than the input, here all but the MLP's down projection, are recomputed there): the same training, a
+# faster step at more memory
+CONFIGS["w-btt-r1-keep"] = replace(CONFIGS["w-btt-r1"], doc="w-btt-r1 with every intermediate kept for the backward "
+                                   "(COMERA_BTT_KEEP=inf), not recomputed", env={"COMERA_BTT_KEEP": "inf"})
 for _name in ("w-dense", "w-btt-r1"):
     CONFIGS[f"{_name}-s1"] = replace(CONFIGS[_name], doc=f"{_name}, seed 1 (seed noise)",
                                      args=CONFIGS[_name].args + ("--seed", "1"), timed_as=_name)
@@ -562,6 +570,12 @@ def prepare_data(train_lm, base: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------ running
 
 
+def run_env(name: str) -> dict[str, str]:
+    """The environment settings of run ``name``'s configuration (``Config.env``)."""
+    cfg = CONFIGS.get(split_name(name)[0])
+    return dict(cfg.env) if cfg is not None else {}
+
+
 def launch(run: Run, opts: argparse.Namespace) -> None:
     run.json.parent.mkdir(parents=True, exist_ok=True)
     run.log.parent.mkdir(parents=True, exist_ok=True)
@@ -571,9 +585,11 @@ def launch(run: Run, opts: argparse.Namespace) -> None:
     env.setdefault("OMP_NUM_THREADS", threads)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    settings = run_env(run.name)
+    env.update(settings)
     cmd = [sys.executable, str(TRAIN_LM), "--preset", "gpu"] + run.flags + ["--out", str(run.json)]
     with open(run.log, "w") as log:
-        log.write(" ".join(cmd) + "\n")
+        log.write(" ".join([f"{k}={v}" for k, v in settings.items()] + cmd) + "\n")
         log.flush()
         run.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     run.started = time.monotonic()
@@ -1234,7 +1250,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for run in runs:
             grid = CONFIGS[split_name(run.name)[0]].lrs
             lrs = f" (--lrs grid: {', '.join(f'{lr:g}' for lr in grid)})" if grid else ""
-            print(f"{run.name:16} {run.doc}{lrs}\n{'':16} {' '.join(run.flags)}")
+            env = "".join(f"{k}={v} " for k, v in run_env(run.name).items())
+            print(f"{run.name:16} {run.doc}{lrs}\n{'':16} {env}{' '.join(run.flags)}")
         return []
     start = time.monotonic()
     execute(runs, opts)

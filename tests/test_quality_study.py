@@ -529,3 +529,28 @@ def test_the_default_row_is_btt_r1_with_the_packages_optimizer_defaults():
         want = btt_groups[name] if name != "tt_cores" else btt_groups[name][:2] + (0.0,)
         assert default_groups[name] == pytest.approx(want), name
     assert btt_groups["tt_cores"][2] == 0.1 and default_groups["tt_gates"][1] == lr
+
+
+def test_a_configurations_env_reaches_its_process_and_heads_its_log(tmp_path, monkeypatch):
+    """Config.env (w-btt-r1-keep: COMERA_BTT_KEEP=inf) is set in the run's process, and only in its own; the
+    log's first line names it with the command. train_lm is a stand-in that writes what it saw."""
+    import argparse
+
+    assert study.run_env("w-btt-r1-keep@0.0096") == {"COMERA_BTT_KEEP": "inf"} and study.run_env("w-btt-r1") == {}
+    assert study.CONFIGS["w-btt-r1-keep"].args == study.CONFIGS["w-btt-r1"].args  # the same model and training
+    stand_in = tmp_path / "train_lm.py"
+    stand_in.write_text("import os, sys\n"
+                        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                        "open(out, 'w').write(os.environ.get('COMERA_BTT_KEEP', '-'))\n")
+    monkeypatch.setattr(study, "TRAIN_LM", stand_in)
+    monkeypatch.delenv("COMERA_BTT_KEEP", raising=False)
+    opts = argparse.Namespace(concurrency=1)
+    seen = {}
+    for name in ("w-btt-r1-keep@0.0096", "w-btt-r1@0.0096"):
+        run = study.Run(name, ["--lr", "0.0096"], [], "", tmp_path / f"{name}.json", tmp_path / f"{name}.txt")
+        study.launch(run, opts)
+        assert run.process.wait(timeout=60) == 0
+        seen[name] = (run.json.read_text(), run.log.read_text().splitlines()[0])
+    assert seen["w-btt-r1-keep@0.0096"][0] == "inf" and seen["w-btt-r1@0.0096"][0] == "-"
+    assert seen["w-btt-r1-keep@0.0096"][1].startswith("COMERA_BTT_KEEP=inf ")
+    assert "COMERA_BTT_KEEP" not in seen["w-btt-r1@0.0096"][1]
