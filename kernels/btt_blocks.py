@@ -17,13 +17,13 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import os
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from comera_compile._scope import scoped
 from comera_compile.kernels.btt_swap import swap_blocks
+from comera_compile.kernels.dispatch import env_number
 
 __all__ = ["BlocksImpl", "btt_blocks", "btt_blocks_backward", "current_impl", "keep_ratio", "use_impl"]
 
@@ -36,17 +36,8 @@ def keep_ratio() -> float:
     ``COMERA_BTT_KEEP`` (a number >= 0, or ``inf``: always; ``0``: never), else :data:`DEFAULT_KEEP` (1: no
     activation larger than the input is saved). Read where the op's autograd is set up: at each call in
     eager mode, when the graph is traced under ``torch.compile``."""
-    text = os.environ.get(KEEP_ENV, "").strip()
-    if not text:
-        return DEFAULT_KEEP
-    try:
-        ratio = float(text)
-    except ValueError:
-        ratio = -1.0
-    if not ratio >= 0:
-        raise ValueError(f"{KEEP_ENV}={text!r}: expected a number >= 0 (the kept intermediate's size as a "
-                         f"multiple of the input's; 0: never kept, inf: always)")
-    return ratio
+    return env_number(KEEP_ENV, DEFAULT_KEEP, "the kept intermediate's size as a multiple of the input's; 0: "
+                      "never kept, inf: always")
 
 
 def _blocks_forward(x: torch.Tensor, first: torch.Tensor, seconds: list[torch.Tensor], r: int):

@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import os
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from comera_compile._scope import scoped
-from comera_compile.kernels.dispatch import HAS_TRITON, use_triton
+from comera_compile.kernels.dispatch import HAS_TRITON, env_number, use_triton
 
 __all__ = ["SwapImpl", "btt_swap", "current_impl", "default_tile", "swap_blocks", "token_tiles", "use_impl",
            "widened"]
@@ -114,17 +113,8 @@ DEFAULT_TILE = 0  # 0: one position m a program
 def default_tile() -> int:
     """The swap's tile when the call names none: ``COMERA_BTT_SWAP_TILE`` (bytes; 0: one position ``m`` a
     program, the ``[BLOCK_A, BLOCK_B, BLOCK_K]`` kernel), else :data:`DEFAULT_TILE`. Read at each call."""
-    text = os.environ.get(TILE_ENV, "").strip()
-    if not text:
-        return DEFAULT_TILE
-    try:
-        tile = int(text)
-    except ValueError:
-        tile = -1
-    if tile < 0:
-        raise ValueError(f"{TILE_ENV}={text!r}: expected a number of bytes >= 0 (0: one position a "
-                         f"program; e.g. 32768: tiles of about that many bytes)")
-    return tile
+    return env_number(TILE_ENV, DEFAULT_TILE, "bytes; 0: one position a program, e.g. 32768: tiles of about "
+                      "that many bytes", cast=int)
 
 
 def token_warps(tile: int) -> int:

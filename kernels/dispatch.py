@@ -30,9 +30,24 @@ try:  # Triton is optional on CPU-only installs.
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "IMPLS", "TRITON_DTYPES", "dot_precision", "interpreting", "use_triton"]
+__all__ = ["HAS_TRITON", "IMPLS", "TRITON_DTYPES", "dot_precision", "env_number", "interpreting", "use_triton"]
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def env_number(name: str, default: float, meaning: str, cast=float) -> float:
+    """The number >= 0 in the environment variable ``name`` (``cast`` of its text), else ``default`` where it
+    is unset or blank; any other value raises ``ValueError`` naming the variable, with ``meaning``."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = cast(text)
+    except ValueError:
+        value = -1
+    if not value >= 0:
+        raise ValueError(f"{name}={text!r}: expected a number >= 0 ({meaning})")
+    return value
 
 
 def interpreting() -> bool:
