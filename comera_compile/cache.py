@@ -42,6 +42,16 @@ def hash_sources(roots: list[str]) -> str:
     return digest.hexdigest()
 
 
+# environment variables read while a graph is traced: their values shape the compiled graph (which
+# activations the btt blocks op saves), so they enter the cache key
+TRACE_ENV = ("COMERA_BTT_KEEP",)
+
+
+def trace_settings() -> str:
+    """The values of :data:`TRACE_ENV` now, as one string of the cache key (read at each call)."""
+    return ";".join(f"{name}={os.environ.get(name, '').strip()}" for name in TRACE_ENV)
+
+
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
     """The hash of comera_compile's sources (passes and kernels included) and torch's version."""
@@ -68,7 +78,7 @@ class SourceKeyedPass(CustomGraphPass):
             inner_uuid = self.inner.uuid() if hasattr(self.inner, "uuid") else None
             if inner_uuid is None:  # an un-keyed user pass: make the graph uncacheable, as Inductor does
                 return None
-        return ("comera_compile", source_fingerprint(), inner_uuid)
+        return ("comera_compile", source_fingerprint(), inner_uuid, trace_settings())
 
 
 def graph_functions(gm: torch.fx.GraphModule) -> list[str]:

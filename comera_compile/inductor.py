@@ -142,11 +142,12 @@ def _passes_key(opts: CompileOptions) -> str:
 
 def pass_uuid(opts: CompileOptions) -> str:
     """The cache key part of the pre-grad pass run with ``opts``: the package's sources (passes and
-    kernels included) and torch's version, the options, and the enabled passes."""
-    from comera_compile.cache import source_fingerprint
+    kernels included) and torch's version, the options, the enabled passes, and the environment settings
+    read while tracing (``cache.TRACE_ENV``)."""
+    from comera_compile.cache import source_fingerprint, trace_settings
 
     digest = hashlib.sha256()
-    for part in (source_fingerprint(), _options_key(opts), _passes_key(opts)):
+    for part in (source_fingerprint(), _options_key(opts), _passes_key(opts), trace_settings()):
         digest.update(part.encode())
         digest.update(b"\0")
     return "comera_compile-pre-grad-" + digest.hexdigest()

@@ -202,3 +202,23 @@ def test_graph_functions_names_only_our_python_functions():
     patches = inductor_config_patches({}, gm)
     assert patches["unsafe_marked_cacheable_functions"] == {
         "comera_compile.kernels.tt_runtime.project": cache.source_fingerprint()}
+
+
+def test_a_setting_read_while_tracing_enters_the_cache_key(monkeypatch):
+    """COMERA_BTT_KEEP decides, while the graph is traced, which activations the btt op saves: a graph
+    cached under one value must not be served under another (both keys: the backend's post-grad pass and
+    the Inductor pre-grad pass of cc.use_with_inductor)."""
+    import comera_compile as cc
+    from comera_compile.inductor import pass_uuid
+
+    ours = SourceKeyedPass()
+    monkeypatch.delenv("COMERA_BTT_KEEP", raising=False)
+    keys = {ours.uuid()}
+    pre = {pass_uuid(cc.CompileOptions())}
+    for value in ("inf", "2"):
+        monkeypatch.setenv("COMERA_BTT_KEEP", value)
+        keys.add(ours.uuid())
+        pre.add(pass_uuid(cc.CompileOptions()))
+    assert len(keys) == 3 and len(pre) == 3
+    monkeypatch.setenv("COMERA_BTT_KEEP", " 2 ")
+    assert ours.uuid() in keys  # surrounding blanks read as the same value
