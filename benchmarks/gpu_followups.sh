@@ -79,10 +79,15 @@ if [ -d .whl/titan ]; then
   IFS=';' read -ra ab_runs <<< "${TITAN_AB:-}"
   for spec in "${ab_runs[@]}"; do  # "NAME=VALUE,NAME=VALUE:variant variant": the variants again with that env
     [ -n "${spec// /}" ] || continue
+    if [[ "$spec" != *=*:* ]]; then  # env would run a setting without '=' as a command
+      stamp "TITAN_AB: '$spec' is not NAME=VALUE[,NAME=VALUE]:variants; skipped"
+      continue
+    fi
     i=$((i + 1))
     settings=() variants=${spec#*:}
     IFS=',' read -ra pairs <<< "${spec%%:*}"
     for pair in "${pairs[@]}"; do
+      [[ "$pair" == ?*=* ]] || { stamp "TITAN_AB: '$pair' is not NAME=VALUE; left out"; continue; }
       if [ "$pair" = COMERA_BTT_SWAP_TILE=best ]; then  # bench_swap's fastest token-tiled tile (0: none beat it)
         pair=COMERA_BTT_SWAP_TILE=$(python3 benchmarks/bench_swap.py --best-tile "$out/swap.json" 2>> "$out/swap.log")
       fi

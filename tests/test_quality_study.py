@@ -481,7 +481,7 @@ def test_gpu_followups_times_the_swap_then_reruns_titan_variants_under_each_ab_s
     env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SKIP_TESTS="1", SKIP_E2E="1",
                SKIP_CCE="1", VARIANTS="dense_ce_cg comera_cg",
                TITAN_AB="COMERA_BTT_SWAP_TILE=best:comera_cg;COMERA_BTT_KEEP=8,COMERA_BTT_SWAP_TILE=0:comera_cg "
-                        "comera_noac_cg;")
+                        "comera_noac_cg;comera_cg;")  # an entry without settings is skipped, said in progress.txt
     for name in ("WIDTH_RUNS", "COMERA_BTT_SWAP_TILE", "COMERA_BTT_KEEP"):
         env.pop(name, None)
     subprocess.run(["bash", "benchmarks/gpu_followups.sh", str(tmp_path / "out")], cwd=tree, env=env, check=True,
@@ -494,6 +494,7 @@ def test_gpu_followups_times_the_swap_then_reruns_titan_variants_under_each_ab_s
         f"run_demo tile=32768 keep=unset variants=comera_cg out={tmp_path}/out/titan_ab1",
         f"run_demo tile=0 keep=8 variants=comera_cg comera_noac_cg out={tmp_path}/out/titan_ab2"], demos
     assert (tmp_path / "out" / "titan_ab1.txt").read_text().strip() == "COMERA_BTT_SWAP_TILE=32768: comera_cg"
+    assert "TITAN_AB: 'comera_cg' is not NAME=VALUE" in (tmp_path / "out" / "progress.txt").read_text()
 
 
 def test_the_default_row_is_btt_r1_with_the_packages_optimizer_defaults():
