@@ -68,9 +68,14 @@ def totals(rows: list[dict]) -> dict[str, float]:
 def best_tile(rows: list[dict]) -> int:
     """The tile (bytes) of the token-tiled variant at its own warps (``t<N>KiB``, what
     ``COMERA_BTT_SWAP_TILE=N x 1024`` runs) with the least time over all the swaps of ``rows`` (bench_swap's
-    --json), if less than the kernel's as it runs now (``triton``); else 0."""
+    --json; a tile that ran only some of them is left out), if less than the kernel's as it runs now
+    (``triton``); else 0."""
     total = totals(rows)
-    tiled = {k: v for k, v in total.items() if k[:1] == "t" and k.endswith("KiB") and k[1:-3].isdigit()}
+    count: dict[str, int] = {}
+    for row in rows:
+        count[row["variant"]] = count.get(row["variant"], 0) + 1
+    tiled = {k: v for k, v in total.items() if k[:1] == "t" and k.endswith("KiB") and k[1:-3].isdigit()
+             and count[k] == count.get("triton")}  # a tile left out of some swaps is no candidate
     if not tiled or "triton" not in total:
         return 0
     name = min(tiled, key=tiled.get)
@@ -110,9 +115,16 @@ def main(argv=None) -> list[dict]:
                 for tile, warps in TILED:
                     fns[f"t{tile // 1024}KiB" + (f"/w{warps}" if warps else "")] = (
                         lambda tile=tile, warps=warps: _swap_triton(x, True, tile, warps))
-                for name in fns:
-                    if name not in ("permute", "copy"):
-                        torch.testing.assert_close(fns[name](), want, rtol=0, atol=0)
+                for name in [k for k in fns if k not in ("permute", "copy")]:
+                    try:
+                        got = fns[name]()
+                    except Exception as err:  # a tile that does not build or launch here: said, left out
+                        if name in ("triton", "narrow"):
+                            raise
+                        print(f"{name}: left out at {list(shape)}: {type(err).__name__}: {err}")
+                        del fns[name]
+                        continue
+                    torch.testing.assert_close(got, want, rtol=0, atol=0)  # a wrong copy stops the benchmark
             torch.testing.assert_close(fns["permute"](), want, rtol=0, atol=0)
             nbytes = 2 * x.numel() * x.element_size()
             times = {k: (float("nan") if smoke else 1e3 * cuda_time_ms(f, args.iters)) for k, f in fns.items()}

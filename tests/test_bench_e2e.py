@@ -116,6 +116,8 @@ def test_bench_swap_best_tile_is_the_fastest_token_tiled_variant_that_beats_the_
     assert swap.best_tile(rows(triton=100, t8KiB=90, t32KiB=80, t32KiB_w4=10, copy=50)) == 32768  # /w4: not the env's
     assert swap.best_tile(rows(triton=100, t8KiB=120, t16KiB=101)) == 0  # none beats the kernel as it runs now
     assert swap.best_tile(rows(triton=100)) == 0 and swap.best_tile([]) == 0
+    partial = rows(triton=100, t16KiB=90) + [{"variant": "t64KiB", "us": 1.0}]  # ran one swap of two
+    assert swap.best_tile(partial) == 16384
 
 
 def test_bench_btt_smoke_checks_each_layer_against_float64():
