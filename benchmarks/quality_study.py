@@ -26,11 +26,11 @@ Runs are separate processes (``--concurrency`` at a time): validation loss does 
 they share the GPU. A run that needs another's checkpoint (``svd-*`` start from ``dense``, at the same
 learning rate) starts when that one is done. ``--deadline-s`` (counted from the study's start, data
 preparation included) stops what is still running in time to write the results: each run updates its JSON
-at every evaluation, so a stopped run reports its last validation loss (marked). ``--abandon 0.1`` stops a run that is more than 10 % above another learning
-rate of its configuration at the same validation step (from 30 % of the steps on, ``--abandon-after``), so
-a sweep's hopeless points give the GPU to the runs still pending. Step times measured side by side are
-inflated by the sharing; ``--timing``
-times each configuration alone (once, whatever ``--lrs`` says: all compile side by side, then each runs
+at every evaluation, so a stopped run reports its last validation loss (marked). ``--abandon 0.1`` stops a
+run that is more than 10 % above another learning rate of its configuration at the same validation step
+(from 30 % of the steps on, ``--abandon-after``), so a sweep's hopeless points give the GPU to the runs
+still pending. Step times measured side by side are inflated by the sharing; ``--timing`` times each
+configuration alone (once, whatever ``--lrs`` says: all compile side by side, then each runs
 its timed steps while the others wait, train_lm ``--barrier``) for ``--timing-steps`` steps and the
 tables take step time and memory from there when present (``--trained``: from the models the study
 saved, e.g. at the ranks rank adaptation ended with).
