@@ -313,7 +313,7 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
     assert (converter.fmt, converter.rank, config.model_spec.model.dim) == ("btt", None, 2048)
     assert converter.tt_config().resolve("Linear", 2048, 8192)[:2] == ("btt", 1)
     assert [g.optimizer_kwargs["lr"] for g in config.optimizer.param_groups] == [4.8e-3] * 4
-    assert type(config.activation_checkpoint) is SelectiveAC.Config  # torchtitan's own: the comera ops recomputed
+    assert type(config.activation_checkpoint) is SelectiveAC.Config  # no CUDA graph: torchtitan's own is kept
     chunked = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_fused_chunked"])
     assert chunked.loss.strategy == "chunked"
     save = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_save"])
@@ -329,13 +329,61 @@ def test_the_example_configs_parse_with_torchtitans_config_manager():
             assert isinstance(cg.loss, titan.FusedCrossEntropyLoss.Config) and cg.loss.backward == "exact", name
     assert hasattr(ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_cg"]
                                               ).model_spec.model, "_comera_tt_converter")
-    save_cg = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_save_cg"])
-    assert type(save_cg.activation_checkpoint) is titan.SelectiveAC.Config
-    assert not save_cg.training.disable_cuda_graphs and save_cg.loss.backward == "exact"
+    cg = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_cg"])
+    assert type(cg.activation_checkpoint) is titan.SelectiveAC.Config  # configure's default with the graph
+    recompute = ConfigManager().parse_args(["--module", "comera_configs", "--config", "llama3_2048_comera_recompute_cg"])
+    assert type(recompute.activation_checkpoint) is SelectiveAC.Config  # save_ops=False: torchtitan's
+    assert not recompute.training.disable_cuda_graphs and recompute.loss.backward == "exact"
+    assert hasattr(recompute.model_spec.model, "_comera_tt_converter")
     for name in ("dense_ce_noac_cg", "comera_noac_cg"):  # nothing recomputed
         noac = ConfigManager().parse_args(["--module", "comera_configs", "--config", f"llama3_2048_{name}"])
         assert noac.activation_checkpoint is None and not noac.training.disable_cuda_graphs, name
         assert hasattr(noac.model_spec.model, "_comera_tt_converter") == name.startswith("comera"), name
+
+
+def test_configure_save_ops_saves_the_comera_ops_where_the_step_is_captured(caplog):
+    """save_ops=None: torchtitan's per-op SelectiveAC becomes titan.SelectiveAC (its settings kept, said at
+    INFO) only for a tensorized job whose step is captured in a CUDA graph; True: for any job with
+    torchtitan's per-op config, and a ValueError naming the config otherwise; False: left as given. A
+    subclass of torchtitan's config, FullAC, no checkpointing and comera's own are never replaced."""
+    import logging
+
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC as TitanSAC
+
+    class Mine(TitanSAC):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(TitanSAC.Config):
+            pass
+
+    tt = titan.TTConverter.Config(rank=4, min_size=0)
+
+    def configured(ac, cuda_graphs=True, **kwargs):
+        config = comera_configs._trainer(comera_configs._model(**comera_configs.TINY), lr=1e-3,
+                                         **comera_configs.TRAIN_TINY)
+        config.activation_checkpoint = ac
+        config.training.disable_cuda_graphs = not cuda_graphs
+        return titan.configure(config, **kwargs).activation_checkpoint
+
+    given = TitanSAC.Config(preserve_rng_state=True, force_recompute_mm_shapes_by_fqns=["w2"])
+    with caplog.at_level(logging.INFO, logger="comera_compile"):
+        saved = configured(given, tt=tt)
+    assert type(saved) is titan.SelectiveAC.Config and saved is not given
+    assert {f.name: getattr(saved, f.name) for f in dataclasses.fields(given)} == \
+        {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
+    assert "saves the comera ops' outputs" in caplog.text and "save_ops=False" in caplog.text
+    for kwargs, cuda_graphs in (({"tt": tt}, False), ({}, True), ({"tt": tt, "save_ops": False}, True)):
+        ac = TitanSAC.Config()
+        assert configured(ac, cuda_graphs, **kwargs) is ac, (kwargs, cuda_graphs)
+    for ac in (Mine.Config(), FullAC.Config(), None, titan.SelectiveAC.Config()):
+        assert configured(ac, tt=tt) is ac
+    assert type(configured(TitanSAC.Config(), False, save_ops=True)) is titan.SelectiveAC.Config
+    comera = titan.SelectiveAC.Config()
+    assert configured(comera, save_ops=True) is comera
+    for ac, name in ((FullAC.Config(), "FullAC"), (None, "None"), (Mine.Config(), "Mine")):
+        with pytest.raises(ValueError, match=f"save_ops=True.*{name}.*not torchtitan's per-op SelectiveAC"):
+            configured(ac, tt=tt, save_ops=True)
+    with pytest.raises(ValueError, match="save_ops must be None"):
+        configured(TitanSAC.Config(), tt=tt, save_ops="yes")
 
 
 def test_configure_gives_a_captured_step_the_fused_loss_path_it_can_run(caplog):

@@ -18,9 +18,11 @@ Four variants of each model, the same data, schedule and batch:
 * ``llama3_2048_fused_chunked``: ``*_fused`` on the fused loss's chunked path only (no host syncs);
 * ``llama3_2048_{dense_ce,fused,comera}_cg``: the same with torchtitan's CUDA graph of the forward and
   backward (its default; off in the variants above);
-* ``llama3_2048_comera_save``: ``*_comera`` with ``titan.SelectiveAC``, which saves the comera ops'
-  outputs instead of recomputing them in the backward as torchtitan's own selective checkpointing does;
-  ``llama3_2048_comera_save_cg`` the same with the CUDA graph;
+  ``llama3_2048_comera_cg`` is ``titan.configure``'s default for a captured step: its activation
+  checkpointing (``titan.SelectiveAC``) saves the comera ops' outputs instead of recomputing them in the
+  backward as torchtitan's own selective checkpointing does; ``llama3_2048_comera_recompute_cg`` keeps
+  torchtitan's (``save_ops=False``);
+* ``llama3_2048_comera_save``: ``*_comera`` (no CUDA graph) with the comera ops saved (``save_ops=True``);
 * ``llama3_2048_{dense_ce,comera}_noac_cg``: the CUDA-graph variants without activation checkpointing
   (nothing recomputed; more memory).
 
@@ -247,17 +249,16 @@ def llama3_2048_comera_cg() -> Trainer.Config:
                            fused_loss=True, lr=4.8e-3)
 
 
+def llama3_2048_comera_recompute_cg() -> Trainer.Config:
+    # torchtitan's own selective checkpointing, which recomputes the comera ops in the backward
+    return titan.configure(_cuda_graphs(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048)), tt=TT_2048,
+                           fused_loss=True, lr=4.8e-3, save_ops=False)
+
+
 def llama3_2048_comera_save() -> Trainer.Config:
-    # the comera variant with the comera ops' outputs saved, not recomputed: what the recompute costs
-    config = llama3_2048_comera()
-    config.activation_checkpoint = titan.SelectiveAC.Config()
-    return config
-
-
-def llama3_2048_comera_save_cg() -> Trainer.Config:
-    config = llama3_2048_comera_cg()
-    config.activation_checkpoint = titan.SelectiveAC.Config()
-    return config
+    # without the CUDA graph configure keeps torchtitan's checkpointing; this saves the comera ops anyway
+    return titan.configure(_trainer(_model(**D2048), lr=6e-4, **TRAIN_2048), tt=TT_2048, fused_loss=True,
+                           lr=4.8e-3, save_ops=True)
 
 
 def _no_ac(config: Trainer.Config) -> Trainer.Config:
@@ -302,9 +303,9 @@ def llama3_tiny_comera() -> Trainer.Config:
 
 def llama3_tiny_comera_sac() -> Trainer.Config:
     # selective activation checkpointing on the TT model, the comera ops' outputs saved (titan.SelectiveAC)
-    config = titan.configure(_trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY), tt=TT_TINY, fused_loss=True, lr=4e-3)
-    config.activation_checkpoint = titan.SelectiveAC.Config()
-    return config
+    config = _trainer(_model(**TINY), lr=1e-3, **TRAIN_TINY)
+    config.activation_checkpoint = SelectiveAC.Config()  # torchtitan's, which configure replaces
+    return titan.configure(config, tt=TT_TINY, fused_loss=True, lr=4e-3, save_ops=True)
 
 
 def llama3_tiny_comera_ranks() -> Trainer.Config:

@@ -18,10 +18,11 @@ export COMERA_LOG=${COMERA_LOG:-info}  # the log names what the comera passes re
 PREFIX=${PREFIX:-llama3_2048}  # llama3_tiny with LAUNCH_FLAGS=--cpu: the CPU smoke run of this script
 # dense_ce: torchtitan's plain cross-entropy (logits formed); dense: its ChunkedLossWrapper, which fails in its
 # backward on torch 2.11 (inside torchtitan and torch), so it runs from torch 2.12 on
+# At d 2048 the variants with torchtitan's CUDA graph of the step (its default; without it the btt step is
+# bound by the host's launches); the tiny CPU model has no such variants.
+if [ "$PREFIX" = llama3_2048 ]; then DEFAULT_VARIANTS="dense_ce_cg fused_cg comera_cg"; else DEFAULT_VARIANTS="dense_ce fused comera"; fi
 if "$PY" -c "import sys, torch; sys.exit(tuple(int(v) for v in torch.__version__.split('.')[:2]) < (2, 12))"; then
-  DEFAULT_VARIANTS="dense_ce dense fused comera"
-else
-  DEFAULT_VARIANTS="dense_ce fused comera"
+  DEFAULT_VARIANTS="$DEFAULT_VARIANTS dense"
 fi
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}; DUMP=${DUMP:-$OUT}  # DUMP: torchtitan's dump folders (checkpoints)
 for variant in $VARIANTS; do
