@@ -603,7 +603,7 @@ def attach_rank_adaptation(optimizers, model_parts: list[nn.Module], rank_config
 # ------------------------------------------------------------------------------------------------
 
 
-def _save_comera_ops(config, *, explicit: bool, tensorized: bool) -> None:
+def _save_comera_ops(config, *, explicit: bool, tensorized: bool, captured: bool) -> None:
     """:func:`configure`'s ``save_ops``: torchtitan's per-op SelectiveAC config becomes :class:`SelectiveAC`'s."""
     ac = getattr(config, "activation_checkpoint", None)
     if isinstance(ac, SelectiveAC.Config):
@@ -616,7 +616,6 @@ def _save_comera_ops(config, *, explicit: bool, tensorized: bool) -> None:
                              "activation_checkpoint = comera_compile.titan.SelectiveAC.Config(...) yourself, or "
                              "leave save_ops at None")
         return
-    captured = not getattr(getattr(config, "training", None), "disable_cuda_graphs", True)
     if not explicit and not (tensorized and captured):
         return
     config.activation_checkpoint = SelectiveAC.Config(**{f.name: getattr(ac, f.name)
@@ -670,8 +669,8 @@ def configure(config, *, tt: TTConverter.Config | None = None,
     if lr is not None:
         config.optimizer.param_groups = param_group_configs(lr, core_lr=core_lr, gate_lr=gate_lr,
                                                             tensorized=tt is not None, betas=(0.9, 0.95), eps=1e-8)
+    captured = not getattr(getattr(config, "training", None), "disable_cuda_graphs", True)
     if fused_loss:
-        captured = not getattr(getattr(config, "training", None), "disable_cuda_graphs", True)
         if isinstance(fused_loss, FusedCrossEntropyLoss.Config):
             if captured and fused_loss.backward == "filtered" and fused_loss.strategy in ("auto", "sparse"):
                 logger.warning("configure: torchtitan captures the step in a CUDA graph (training.disable_cuda_graphs "
@@ -683,7 +682,7 @@ def configure(config, *, tt: TTConverter.Config | None = None,
         else:
             config.loss = FusedCrossEntropyLoss.Config(backward="exact" if captured else "filtered")
     if save_ops is not False:
-        _save_comera_ops(config, explicit=save_ops is True, tensorized=tt is not None)
+        _save_comera_ops(config, explicit=save_ops is True, tensorized=tt is not None, captured=captured)
     if rank_adaptation is not None:
         previous = spec.post_optimizer_build_fn
 
