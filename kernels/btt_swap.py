@@ -36,15 +36,22 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _swap_kernel(x_ptr, y_ptr, A, M, B, K, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _program_tile(A, B, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+        # this program's (A, B) tile, A-major, and the index over the third dimension (positions or tiles of them)
         n_b = tl.cdiv(B, BLOCK_B)
         tiles = tl.cdiv(A, BLOCK_A) * n_b
         pid = tl.program_id(0).to(tl.int64)
-        m = pid // tiles
+        outer = pid // tiles
         pid = pid % tiles
         oa = ((pid // n_b) * BLOCK_A + tl.arange(0, BLOCK_A)).to(tl.int64)
         ob = ((pid % n_b) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+        return outer, oa, ob
+
+
+    @triton.jit
+    def _swap_kernel(x_ptr, y_ptr, A, M, B, K, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        m, oa, ob = _program_tile(A, B, BLOCK_A, BLOCK_B)
         a3 = oa[:, None, None]
         b3 = ob[None, :, None]
         for k0 in range(0, K, BLOCK_K):
@@ -59,13 +66,7 @@ if HAS_TRITON:
                             BLOCK_B: tl.constexpr):
         # K = 1: x [A, M, B] -> y [B, M, A], a tile of BLOCK_M consecutive positions m per program, so that
         # where the tile spans all of B (of A) each load (store) row is BLOCK_M x B (x A) contiguous elements
-        n_b = tl.cdiv(B, BLOCK_B)
-        tiles = tl.cdiv(A, BLOCK_A) * n_b
-        pid = tl.program_id(0).to(tl.int64)
-        pm = pid // tiles
-        pid = pid % tiles
-        oa = ((pid // n_b) * BLOCK_A + tl.arange(0, BLOCK_A)).to(tl.int64)
-        ob = ((pid % n_b) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+        pm, oa, ob = _program_tile(A, B, BLOCK_A, BLOCK_B)
         om = (pm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         a3 = oa[:, None, None]
         m3 = om[None, :, None]
