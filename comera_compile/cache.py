@@ -42,8 +42,9 @@ def hash_sources(roots: list[str]) -> str:
     return digest.hexdigest()
 
 
-# environment variables read while a graph is traced: their values shape the compiled graph (which
-# activations the btt blocks op saves), so they enter the cache key
+# environment variables read while a graph is traced: they change the traced joint graph (whether the btt
+# blocks op's backward recomputes its intermediate; AOTAutograd's CSE then merges that recompute with the
+# forward's op, so the compiled graphs agree today), so they enter the cache key rather than rely on that
 TRACE_ENV = ("COMERA_BTT_KEEP",)
 
 
